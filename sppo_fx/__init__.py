@@ -1,4 +1,9 @@
-"""sppo_fx: adaptive Sequence Pipeline Parallel Offloading as FX graph passes."""
-from sppo_fx.errors import InfeasibleBudget, SppoError
+"""sppo_fx: adaptive Sequence Pipeline Parallel Offloading as FX graph passes.
 
-__all__ = ["SppoError", "InfeasibleBudget"]
+Public surface: `compile` (function and decorator forms), `Plan`, and the errors.
+"""
+from sppo_fx.api import SppoCompiled, compile
+from sppo_fx.errors import InfeasibleBudget, SppoError
+from sppo_fx.plan import Plan
+
+__all__ = ["compile", "SppoCompiled", "Plan", "SppoError", "InfeasibleBudget"]

@@ -1,0 +1,194 @@
+"""`sppo_fx.compile`: function and decorator forms.
+
+    compiled = sppo_fx.compile(model, chunks=4)               # model returns the loss
+    loss = compiled(tokens, targets)
+    loss.backward()                                           # fills model's .grad
+
+    compiled = sppo_fx.compile(model, loss_fn=F.cross_entropy_on_logits, chunks=4)
+    loss = compiled(tokens, target=targets)
+
+    @sppo_fx.compile(chunks=4)
+    def step(model, tokens, targets):
+        return model(tokens, targets)
+    loss = step(model, tokens, targets)
+
+Capture happens on the first call (it needs example inputs); later calls with another
+sequence length re-plan the chunks without re-tracing while the traced range allows it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from sppo_fx.capture import Captured, capture, flatten_call
+from sppo_fx.errors import SppoError
+from sppo_fx.passes import transform
+from sppo_fx.passes.seq_chunk import ChunkedProgram
+from sppo_fx.plan import Plan, even_plan
+from sppo_fx.runtime.local import chunked_loss
+
+DEFAULT_CHUNKS = 4
+
+
+@dataclasses.dataclass
+class CompileOptions:
+    """Options of `sppo_fx.compile`.
+
+    Attributes:
+        loss_fn: `(output, target) -> loss`; when None the model's output is the loss.
+        chunks: number of sequence chunks (default: 4, or fewer for shorter sequences).
+        chunk_lengths: explicit chunk lengths (must sum to the sequence length).
+        seq_dim: the sequence dim of the inputs.
+        budget: per-device memory budget (bytes or "24GiB"); not implemented yet.
+        log_passes: print each graph after its pass.
+    """
+
+    loss_fn: Callable | None = None
+    chunks: int | None = None
+    chunk_lengths: list[int] | None = None
+    seq_dim: int = 1
+    budget: int | str | None = None
+    log_passes: bool | None = None
+
+
+@dataclasses.dataclass
+class _Entry:
+    captured: Captured
+    graph: fx.GraphModule
+    program: ChunkedProgram
+
+
+class SppoCompiled:
+    """The callable `sppo_fx.compile` returns.
+
+    Attributes:
+        plan: the chunk plan of the last call (None before the first call).
+    """
+
+    def __init__(self, model: torch.nn.Module | None, fn: Callable | None, options: CompileOptions):
+        self._model, self._fn, self.options = model, fn, options
+        self._cache: dict = {}
+        self._last: _Entry | None = None
+        self.plan: Plan | None = None
+
+    # ---- planning -------------------------------------------------------------------
+    def plan_for(self, seq_len: int) -> Plan:
+        """The chunk plan for a sequence of `seq_len` tokens."""
+        o = self.options
+        if o.chunk_lengths is not None:
+            if o.chunks is not None and o.chunks != len(o.chunk_lengths):
+                raise SppoError(f"chunks={o.chunks} disagrees with {len(o.chunk_lengths)} chunk_lengths; "
+                                "give one of them")
+            return Plan(seq_len, list(o.chunk_lengths))
+        if o.chunks is None:
+            return even_plan(seq_len, min(DEFAULT_CHUNKS, seq_len))
+        return even_plan(seq_len, o.chunks)
+
+    # ---- calling --------------------------------------------------------------------
+    def __call__(self, *args, target=None, **kwargs):
+        if self._fn is not None:
+            if not args or not isinstance(args[0], torch.nn.Module):
+                raise SppoError("a function compiled with @sppo_fx.compile is called as "
+                                "fn(model, *inputs); its first argument must be the nn.Module")
+            model, args = args[0], args[1:]
+        else:
+            model = self._model
+        leaves, spec, slots = flatten_call(args, kwargs, target)
+        tensors = [leaves[i] for i in slots]
+        entry = self._entry(model, args, kwargs, target, leaves, spec, slots, tensors)
+        cap = entry.captured
+        lengths = [t.shape[d] for t, d in zip(tensors, cap.input_seq_dims) if d is not None]
+        seq_len = lengths[0]
+        if any(n != seq_len for n in lengths):
+            raise SppoError(f"inputs disagree on the sequence length: {lengths}")
+        plan = self.plan_for(seq_len)
+        self.plan = plan
+        params = [cap.param_value(name) for name in entry.program.params]
+        return chunked_loss(entry.program, params, tensors, plan)
+
+    def _entry(self, model, args, kwargs, target, leaves, spec, slots, tensors) -> _Entry:
+        seq_dim = self.options.seq_dim
+        key_shapes = tuple((tuple(s if i != seq_dim else -1 for i, s in enumerate(t.shape)), t.dtype,
+                            t.device.type) for t in tensors)
+        others = tuple(repr(leaves[i]) for i in range(len(leaves)) if i not in set(slots))
+        key = (id(model), str(spec), key_shapes, others)
+        entry = self._cache.get(key)
+        if entry is not None:
+            seq_len = next((t.shape[d] for t, d in zip(tensors, entry.captured.input_seq_dims)
+                            if d is not None), None)
+            lo, hi = entry.captured.seq_range
+            if seq_len is not None and lo <= seq_len <= hi:
+                self._last = entry
+                return entry
+        self.plan_for(next(t.shape[seq_dim] for t in tensors if t.dim() > seq_dim))  # fail before tracing
+        cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
+        graph, program = transform(cap, log=self.options.log_passes)
+        entry = _Entry(cap, graph, program)
+        self._cache[key] = entry
+        self._last = entry
+        return entry
+
+    # ---- inspection -----------------------------------------------------------------
+    def _require_entry(self) -> _Entry:
+        if self._last is None:
+            raise SppoError("nothing compiled yet: call the compiled model once with example inputs")
+        return self._last
+
+    @property
+    def graphs(self) -> dict[str, fx.GraphModule]:
+        """The transformed graphs by name: captured (analysed), prologue, chunk, epilogue."""
+        e = self._require_entry()
+        return {"captured": e.graph, "prologue": e.program.prologue, "chunk": e.program.chunk,
+                "epilogue": e.program.epilogue}
+
+    @property
+    def program(self) -> ChunkedProgram:
+        """The ChunkedProgram of the last call."""
+        return self._require_entry().program
+
+    def explain(self) -> str:
+        """A readable summary: chunk plan, attention sites, each program's inputs and outputs."""
+        from sppo_fx.explain import explain
+        e = self._require_entry()
+        return explain(e.captured, e.program, self.plan)
+
+
+def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,
+            log_passes=None):
+    """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
+
+    Args:
+        model: an nn.Module whose output is the loss (or logits with `loss_fn`), or a function
+            `(model, *inputs) -> loss`; omit it to use `@sppo_fx.compile(...)` as a decorator.
+        loss_fn: `(output, target) -> loss`; the compiled callable's `target=` goes to it.
+        chunks: number of sequence chunks (default 4, fewer for shorter sequences).
+        chunk_lengths: explicit chunk lengths, summing to the sequence length.
+        seq_dim: the sequence dim of the inputs.
+        budget: per-device memory budget; not implemented yet (raises SppoError).
+        log_passes: print each graph after its pass.
+
+    Returns:
+        An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
+        decorator when `model` is omitted.
+    """
+    if budget is not None:
+        raise SppoError("budget= is not implemented yet in this version of sppo_fx; omit it "
+                        "and choose chunks= / chunk_lengths= instead")
+    if chunk_lengths is not None:
+        chunk_lengths = [int(c) for c in chunk_lengths]
+    options = CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths,
+                             seq_dim=seq_dim, budget=budget, log_passes=log_passes)
+    if model is None:
+        return lambda fn: _wrap(fn, options)
+    return _wrap(model, options)
+
+
+def _wrap(obj, options: CompileOptions) -> SppoCompiled:
+    if isinstance(obj, torch.nn.Module):
+        return SppoCompiled(obj, None, options)
+    if callable(obj):
+        return SppoCompiled(None, obj, options)
+    raise SppoError(f"sppo_fx.compile needs an nn.Module or a function, got {type(obj).__name__}")

@@ -1,0 +1,184 @@
+"""Capture: torch.export of model + loss with a symbolic sequence length.
+
+The user's callable (a model whose output is the loss, a model plus `loss_fn`, or a
+function `(model, *inputs) -> loss`) is wrapped in a module whose forward takes the flat
+list of input tensors and returns the scalar loss. `torch.export` traces it with the
+sequence dim of every input that has the sequence length marked dynamic.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind
+
+from sppo_fx.errors import SppoError
+
+
+def extract_loss(output) -> torch.Tensor:
+    """The loss inside a model output: a tensor, an object with `.loss`, or a dict."""
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, dict) and "loss" in output:
+        loss = output["loss"]
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    else:
+        raise SppoError(
+            f"the model returned {type(output).__name__}, which holds no loss: return a scalar "
+            "tensor, an object with `.loss` or a dict with 'loss' (for Hugging Face models pass "
+            "labels=...), or give sppo_fx.compile a loss_fn")
+    if not isinstance(loss, torch.Tensor):
+        raise SppoError(f"the loss is a {type(loss).__name__}, not a tensor")
+    return loss
+
+
+class LossModule(torch.nn.Module):
+    """forward(*flat_tensors) -> scalar loss; owns the user's model as `model`."""
+
+    def __init__(self, model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | None,
+                 spec: pytree.TreeSpec, leaves: list, tensor_slots: list[int]):
+        super().__init__()
+        self.model = model
+        self._fn, self._loss_fn, self._spec = fn, loss_fn, spec
+        self._leaves, self._slots = leaves, tensor_slots
+
+    def forward(self, *tensors):
+        leaves = list(self._leaves)
+        for slot, t in zip(self._slots, tensors):
+            leaves[slot] = t
+        args, kwargs, target = pytree.tree_unflatten(leaves, self._spec)
+        if self._fn is not None:
+            out = self._fn(self.model, *args, **kwargs)
+        else:
+            out = self.model(*args, **kwargs)
+        if self._loss_fn is not None:
+            out = self._loss_fn(out, target)
+        loss = extract_loss(out)
+        if loss.dim() != 0:
+            raise SppoError(f"the loss has shape {tuple(loss.shape)}; sppo_fx needs a scalar loss")
+        return loss
+
+
+@dataclasses.dataclass
+class Captured:
+    """The exported graph and how its placeholders bind to the user's model and inputs.
+
+    Attributes:
+        module: the LossModule that was exported (holds the user's model).
+        program: the ExportedProgram.
+        seq: sympy symbol of the sequence length.
+        seq_range: (min, max) the traced graph is valid for.
+        param_fqns: placeholder name -> ("parameter" | "buffer" | "constant", fqn).
+        input_names: placeholder names of the flat user input tensors, in order.
+        input_seq_dims: for each flat input, its sequence dim or None.
+    """
+
+    module: LossModule
+    program: torch.export.ExportedProgram
+    seq: sympy.Symbol
+    seq_range: tuple[int, float]
+    param_fqns: dict[str, tuple[str, str]]
+    input_names: list[str]
+    input_seq_dims: list[int | None]
+
+    def param_value(self, name: str) -> torch.Tensor | None:
+        """The live tensor bound to a parameter/buffer/constant placeholder (None for inputs)."""
+        if name not in self.param_fqns:
+            return None
+        kind, fqn = self.param_fqns[name]
+        if kind == "parameter":
+            return self.module.get_parameter(fqn)
+        if kind == "buffer":
+            return self.module.get_buffer(fqn)
+        return self.program.constants[fqn]
+
+    def copy_graph(self) -> fx.GraphModule:
+        """A fresh GraphModule over a copy of the exported graph (passes may mutate it)."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self.program.graph_module.graph, {}))
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def flatten_call(args: tuple, kwargs: dict, target) -> tuple[list, pytree.TreeSpec, list[int]]:
+    """Flatten (args, kwargs, target); returns leaves, spec, and the tensor leaf slots."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs), target))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    return leaves, spec, slots
+
+
+def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | None, args: tuple,
+            kwargs: dict, target, seq_dim: int) -> Captured:
+    """Export `model` (+ `fn` / `loss_fn`) on example inputs with a dynamic sequence length.
+
+    Args:
+        model: the user's module (its parameters are the ones trained).
+        fn: optional `(model, *args, **kwargs) -> loss-like` (decorator form).
+        loss_fn: optional `(output, target) -> loss`.
+        args, kwargs, target: example call; tensors with the sequence length at `seq_dim`
+            get a dynamic sequence dim.
+        seq_dim: the sequence dim of the inputs (1 for [batch, seq]).
+
+    Returns:
+        A `Captured`. Raises `SppoError` if no input has a sequence dim or export fails.
+    """
+    leaves, spec, slots = flatten_call(args, kwargs, target)
+    tensors = [leaves[i] for i in slots]
+    candidates = [t for t in tensors if t.dim() > seq_dim]
+    if not candidates:
+        raise SppoError(f"no input tensor has a dim {seq_dim} (seq_dim={seq_dim}); pass token ids "
+                        "shaped [batch, seq] or set seq_dim")
+    length = candidates[0].shape[seq_dim]
+    seq_dims = [seq_dim if t.dim() > seq_dim and t.shape[seq_dim] == length else None for t in tensors]
+    dim = torch.export.Dim.DYNAMIC
+    dynamic = tuple({seq_dim: dim} if d is not None else None for d in seq_dims)
+    module = LossModule(model, fn, loss_fn, spec, leaves, slots)
+    try:
+        program = torch.export.export(module, tuple(tensors), dynamic_shapes={"tensors": dynamic}, strict=False)
+    except SppoError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with what to change
+        raise SppoError(f"torch.export could not trace the model with a dynamic sequence length: "
+                        f"{type(e).__name__}: {e}") from e
+    sig = program.graph_signature
+    user_inputs = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    param_fqns = {}
+    for s in sig.input_specs:
+        if s.kind == InputKind.PARAMETER:
+            param_fqns[s.arg.name] = ("parameter", s.target)
+        elif s.kind == InputKind.BUFFER:
+            param_fqns[s.arg.name] = ("buffer", s.target)
+        elif s.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            param_fqns[s.arg.name] = ("constant", s.target)
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    first = user_inputs[seq_dims.index(seq_dim)]
+    size = placeholders[first].meta["val"].shape[seq_dim]
+    if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+        raise SppoError(
+            f"torch.export specialised the sequence length to {size}: the model's code depends on "
+            "the exact length (e.g. a Python branch on x.shape[1] or a mask buffer sliced to the "
+            "full block size). Remove that dependency so the length can stay symbolic")
+    seq = size.node.expr
+    vr = program.range_constraints.get(seq)
+    lo = int(vr.lower) if vr is not None else 2
+    hi = float(vr.upper) if vr is not None and vr.upper.is_finite else float("inf")
+    return Captured(module=module, program=program, seq=seq, seq_range=(lo, hi),
+                    param_fqns=param_fqns, input_names=user_inputs, input_seq_dims=seq_dims)
+
+
+def strip_asserts(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove export's `_assert_tensor_metadata` checks (side-effecting, so DCE keeps them
+    and the values they check alive) and dead code."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (
+                torch.ops.aten._assert_tensor_metadata.default,
+                torch.ops.aten._assert_scalar.default,
+                torch.ops.aten.sym_constrain_range_for_size.default):
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm

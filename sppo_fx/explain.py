@@ -1,0 +1,45 @@
+"""Readable summaries of a compiled model: plan, attention sites, program signatures."""
+from __future__ import annotations
+
+import torch.fx as fx
+from tabulate import tabulate
+
+from sppo_fx.capture import Captured
+from sppo_fx.passes.seq_chunk import ChunkedProgram
+from sppo_fx.plan import Plan
+
+
+def signature(gm: fx.GraphModule, name: str, max_items: int = 12) -> str:
+    """`name(a, b, ...) -> (x, y, ...)` of a GraphModule, long lists abbreviated."""
+    def short(items):
+        items = list(items)
+        if len(items) > max_items:
+            items = items[:max_items // 2] + [f"... {len(items) - max_items} more ..."] + items[-max_items // 2:]
+        return ", ".join(items)
+    ins = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    outs = [str(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
+    return f"{name}({short(ins)})\n    -> ({short(outs)})"
+
+
+def explain(captured: Captured, program: ChunkedProgram, plan: Plan | None) -> str:
+    """The text of `SppoCompiled.explain()`."""
+    lo, hi = captured.seq_range
+    lines = [f"sppo_fx: {type(captured.module.model).__name__}; sequence length {captured.seq} "
+             f"traced for {lo} <= T <= {hi}",
+             f"{len(program.params)} parameter/buffer inputs, {len(captured.input_names)} user inputs", ""]
+    if plan is not None:
+        lines += [f"Chunk plan (T = {plan.seq_len}, {plan.num_chunks} chunks):", plan.table(), ""]
+    lines.append(f"Causal attention sites ({len(program.attention)}):")
+    lines.append(tabulate([(a.name, a.k_shape, a.v_shape, a.source) for a in program.attention],
+                          headers=["node", "K prefix [b,h,0,d]", "V prefix", "source"]))
+    lines += ["", "Sequence reductions (accumulated over chunks):"]
+    lines.append(tabulate([(r.name, r.op, r.source) for r in program.reductions], headers=["node", "op", "source"]))
+    lines += ["", "Inputs sliced per chunk:"]
+    lines.append(tabulate([(b.name, "whole" if b.seq_dim is None else f"dim {b.seq_dim}")
+                           for b in program.boundaries], headers=["value", "sliced along"]))
+    lines += ["", "Programs:",
+              signature(program.prologue, "prologue"),
+              signature(program.chunk, "chunk"),
+              signature(program.epilogue, "epilogue")]
+    return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""FX passes, run in a visible order by `transform`.
+
+    captured graph
+      -> strip_asserts            drop export's metadata asserts, dead code
+      -> recognize_causal_masks   SDPA(mask built from positions) -> SDPA(is_causal=True)
+      -> analyse_seqdims          classify every value along the sequence (node.meta["sppo_seq"])
+      -> chunk_program            prologue / per-chunk program / epilogue
+
+Each pass is a function of a GraphModule (and the capture's facts) with no hidden state;
+set `log=True` (or SPPO_FX_LOG_PASSES=1) to print each graph after its pass.
+"""
+from __future__ import annotations
+
+import os
+
+import torch.fx as fx
+
+from sppo_fx.capture import Captured, strip_asserts
+from sppo_fx.passes.causal_mask import recognize_causal_masks
+from sppo_fx.passes.seq_chunk import ChunkedProgram, chunk_program
+from sppo_fx.passes.seqdim import analyse, format_analysis
+
+
+def analyse_seqdims(gm: fx.GraphModule, captured: Captured) -> fx.GraphModule:
+    """Run the sequence-dimension analysis; results land in node.meta["sppo_seq"]."""
+    analyse(gm, captured.seq, captured.param_fqns.keys())
+    return gm
+
+
+def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModule, ChunkedProgram]:
+    """Run the passes on a capture.
+
+    Args:
+        captured: the output of `capture.capture`.
+        log: print each graph after its pass (default: env SPPO_FX_LOG_PASSES=1).
+
+    Returns:
+        (the analysed captured graph, the ChunkedProgram).
+    """
+    log = bool(int(os.environ.get("SPPO_FX_LOG_PASSES", "0"))) if log is None else log
+    gm = captured.copy_graph()
+    params = set(captured.param_fqns)
+    steps = [
+        ("strip_asserts", lambda g: strip_asserts(g)),
+        ("recognize_causal_masks",
+         lambda g: recognize_causal_masks(g, captured.seq, params, captured.param_value)),
+        ("analyse_seqdims", lambda g: analyse_seqdims(g, captured)),
+    ]
+    for name, step in steps:
+        gm = step(gm)
+        if log:
+            print(f"---- after {name} ----")
+            print(format_analysis(gm) if name == "analyse_seqdims" else gm.code)
+    param_order = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in params]
+    program = chunk_program(gm, captured.seq, param_order, captured.input_names)
+    if log:
+        for name in ("prologue", "chunk", "epilogue"):
+            print(f"---- chunk_program: {name} ----")
+            print(getattr(program, name).code)
+    return gm, program
+
+
+__all__ = ["transform", "strip_asserts", "recognize_causal_masks", "analyse_seqdims", "chunk_program",
+           "ChunkedProgram"]

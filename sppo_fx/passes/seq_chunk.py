@@ -1,0 +1,393 @@
+"""The chunk pass: one captured graph -> prologue, per-chunk program, epilogue.
+
+Chunk i covers tokens [start, start + c). The per-chunk program is the captured graph
+with every sequence size set to c and these rewrites (per attention site, per position
+source, per sequence reduction):
+
+    captured graph                           chunk program
+    ──────────────                           ─────────────
+    arange(T)                          ->    arange(chunk_start, chunk_start + chunk_len)
+    buf[:T]                            ->    buf[chunk_start : chunk_start + chunk_len]
+    sdpa(q, k, v, is_causal=True)      ->    k_all = cat([k_prefix, k], -2)      (placeholders in)
+                                             v_all = cat([v_prefix, v], -2)
+                                             chunk_causal_attention(q, k_all, v_all)
+                                             k, v                               (outputs)
+    cross_entropy(x, y, mean)          ->    cross_entropy(x, y, sum), sum(y != ignore_index)
+    mean(x) / sum(x)                   ->    sum(x) [, numel(x)]                 (partials out)
+
+Values computed only from the inputs that mix positions (Hugging Face's label shift:
+pad + slice) go to the *prologue*, which runs once on the full sequence; the runtime
+slices its outputs per chunk. Everything computed from the reductions only (`loss * 0.5`)
+goes to the *epilogue*, which takes the partials summed over all chunks (mean = total sum /
+global count, so `ignore_index` means use the global count of valid tokens).
+
+    prologue(seq_len, *user_inputs)                          -> boundary values (full length)
+    chunk(*params, *boundary slices, *kv prefixes, chunk_start, chunk_len)
+                                                             -> (*partials, *k/v per site)
+    epilogue(seq_len, *params, *partial totals)              -> loss
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils._sympy.functions import FloorDiv
+
+from sppo_fx.attention import chunk_causal_attention
+from sppo_fx.errors import SppoError, describe_node, source_line
+from sppo_fx.passes.seqdim import SDPA, SIZE, _is_size_node, arg_expr, loss_reduction
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class AttentionSite:
+    """A causal attention call turned into attention over a K/V prefix.
+
+    Attributes:
+        name: the SDPA node's name in the captured graph.
+        source: the user's source line.
+        k_shape / v_shape: shapes of K and V with the sequence dim (-2) set to 0.
+        dtype: K/V dtype.
+    """
+
+    name: str
+    source: str
+    k_shape: tuple
+    v_shape: tuple
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class ReductionSite:
+    """A reduction over the sequence, accumulated across chunks.
+
+    Attributes:
+        name: node name in the captured graph.
+        op: e.g. "cross_entropy(mean)", "mean", "sum".
+        source: the user's source line.
+        has_count: whether a denominator partial (count / numel) is accumulated too.
+    """
+
+    name: str
+    op: str
+    source: str
+    has_count: bool
+
+
+@dataclasses.dataclass
+class Boundary:
+    """A value the prologue hands to every chunk: sliced along `seq_dim` (or whole if None)."""
+
+    name: str
+    seq_dim: int | None
+
+
+@dataclasses.dataclass
+class ChunkedProgram:
+    """The three graphs the runtime runs, and how to feed them.
+
+    Attributes:
+        prologue: (seq_len, *user_inputs) -> boundary values.
+        chunk: (*params, *boundary slices, *k/v prefixes, chunk_start, chunk_len)
+            -> (*partials, *[k, v] per attention site).
+        epilogue: (seq_len, *params, *partial totals) -> loss.
+        params: parameter/buffer/constant placeholder names, in the order both take them.
+        boundaries: the prologue outputs, in chunk-program order.
+        attention: attention sites, in chunk-program K/V order.
+        reductions: reduction sites; partials are (sum[, count]) per site in this order.
+    """
+
+    prologue: fx.GraphModule
+    chunk: fx.GraphModule
+    epilogue: fx.GraphModule
+    params: list[str]
+    boundaries: list[Boundary]
+    attention: list[AttentionSite]
+    reductions: list[ReductionSite]
+
+    @property
+    def num_partials(self) -> int:
+        return sum(2 if r.has_count else 1 for r in self.reductions)
+
+
+def build_size(graph: fx.Graph, expr: sympy.Expr, symbols: dict):
+    """FX nodes computing an integer sympy expression from symbol -> node/int bindings."""
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_Symbol:
+        if expr not in symbols:
+            raise SppoError(f"size {expr} depends on a symbol other than the sequence length")
+        return symbols[expr]
+    if isinstance(expr, FloorDiv):
+        return graph.call_function(operator.floordiv, tuple(build_size(graph, a, symbols) for a in expr.args))
+    if expr.is_Add or expr.is_Mul:
+        fn = operator.add if expr.is_Add else operator.mul
+        acc = build_size(graph, expr.args[0], symbols)
+        for a in expr.args[1:]:
+            acc = graph.call_function(fn, (acc, build_size(graph, a, symbols)))
+        return acc
+    raise SppoError(f"cannot express the size {expr} per chunk")
+
+
+def _info(node):
+    return node.meta["sppo_seq"]
+
+
+def _copy_meta(new: fx.Node, old: fx.Node):
+    for key in ("stack_trace", "nn_module_stack", "val", "sppo_seq", "source_fn_stack"):
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+    return new
+
+
+class _Builder:
+    """Copies nodes of the captured graph into a new graph, sizes bound to a node."""
+
+    def __init__(self, seq: sympy.Symbol, length_name: str):
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, object] = {}
+        self.seq = seq
+        self.length_name = length_name
+        self.length = None
+
+    def placeholder(self, name: str, like: fx.Node | None = None) -> fx.Node:
+        node = self.graph.placeholder(name)
+        if like is not None:
+            _copy_meta(node, like)
+        return node
+
+    def size(self, node: fx.Node):
+        expr = arg_expr(node, self.seq)
+        if expr is None:
+            raise SppoError(f"{describe_node(node)}: a non-integer size is not supported")
+        return build_size(self.graph, expr, {self.seq: self.length})
+
+    def get(self, node: fx.Node, lazy: bool = False):
+        """The new value for `node`; with lazy=True, copies missing ancestors too."""
+        if node in self.env:
+            return self.env[node]
+        if _is_size_node(node) and node.op != "placeholder":
+            self.env[node] = self.size(node)
+            return self.env[node]
+        if not lazy or node.op != "call_function":
+            raise AssertionError(f"sppo_fx internal error: {node.name} used before it was copied")
+        self.env[node] = _copy_meta(self.graph.node_copy(node, lambda n: self.get(n, lazy=True)), node)
+        return self.env[node]
+
+    def copy(self, node: fx.Node):
+        self.env[node] = _copy_meta(self.graph.node_copy(node, self.get), node)
+        return self.env[node]
+
+    def finish(self, outputs) -> fx.GraphModule:
+        self.graph.output(tuple(outputs))
+        self.graph.eliminate_dead_code()
+        gm = fx.GraphModule(torch.nn.Module(), self.graph)
+        gm.recompile()
+        return gm
+
+
+def _prefix_shape(node: fx.Node, seq) -> tuple:
+    val = node.meta["val"]
+    shape = []
+    for i, s in enumerate(val.shape):
+        if i == val.dim() - 2:
+            shape.append(0)
+        elif isinstance(s, torch.SymInt):
+            raise SppoError(f"{describe_node(node)}: K/V dim {i} has a symbolic size {s}; only the "
+                            "sequence dim may be dynamic")
+        else:
+            shape.append(int(s))
+    return tuple(shape)
+
+
+def _rewrite_position(b: _Builder, node: fx.Node, start: fx.Node, length: fx.Node):
+    """arange(T) -> arange(start, start + c); buf[:T] -> buf[start:start + c]."""
+    seq = b.seq
+    if node.target is aten.slice.Tensor:
+        dim = node.args[1] if len(node.args) > 1 else 0
+        lo = arg_expr(node.args[2], seq) if len(node.args) > 2 and node.args[2] is not None else sympy.Integer(0)
+        hi = arg_expr(node.args[3], seq) if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        if lo == 0 and hi is not None and sympy.simplify(hi - seq) == 0 and step == 1:
+            end = b.graph.call_function(operator.add, (start, length))
+            return b.graph.call_function(aten.slice.Tensor, (b.get(node.args[0]), dim, start, end))
+    else:
+        if node.target is aten.arange.default:
+            lo, hi, step = sympy.Integer(0), arg_expr(node.args[0], seq), 1
+        else:
+            lo, hi = arg_expr(node.args[0], seq), arg_expr(node.args[1], seq)
+            step = node.args[2] if len(node.args) > 2 else 1
+        if lo == 0 and hi is not None and sympy.simplify(hi - seq) == 0 and step == 1:
+            end = b.graph.call_function(operator.add, (start, length))
+            return b.graph.call_function(aten.arange.start, (start, end), dict(node.kwargs))
+    raise SppoError(f"{describe_node(node)} takes positions other than 0..T-1 (e.g. a shifted range); "
+                    "sppo_fx can offset only position ranges that start at 0 and end at the sequence length")
+
+
+def _reduction_partials(b: _Builder, node: fx.Node) -> tuple[str, list]:
+    if node.target is aten.cross_entropy_loss.default:
+        args = list(node.args) + [None] * (6 - len(node.args))
+        inp, tgt = b.get(args[0]), b.get(args[1])
+        weight = node.kwargs.get("weight", args[2])
+        weight = b.get(weight) if isinstance(weight, fx.Node) else weight
+        ignore = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+        smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
+        reduction = loss_reduction(node)
+        total = b.graph.call_function(aten.cross_entropy_loss.default, (inp, tgt, weight, 2, ignore, smoothing))
+        if reduction == 2:
+            return "cross_entropy(sum)", [total]
+        if weight is not None:
+            raise SppoError(f"{describe_node(node)}: a class-weighted mean cross-entropy is not "
+                            "supported yet; use reduction='sum' and divide by your own count")
+        valid = b.graph.call_function(aten.ne.Scalar, (tgt, ignore))
+        count = b.graph.call_function(aten.sum.default, (valid,))
+        return "cross_entropy(mean)", [total, count]
+    x = b.get(node.args[0])
+    total = b.graph.call_function(aten.sum.default, (x,), dict(node.kwargs))
+    if node.target is aten.sum.default:
+        return "sum", [total]
+    numel = b.graph.call_function(aten.sym_numel.default, (x,))
+    count = b.graph.call_function(aten.scalar_tensor.default, (numel,), {"dtype": torch.int64})
+    return "mean", [total, count]
+
+
+def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
+                  input_names: list[str]) -> ChunkedProgram:
+    """Split an analysed graph (`seqdim.analyse` ran on it) into prologue, chunk, epilogue.
+
+    Args:
+        gm: the captured, mask-recognised, analysed graph.
+        seq: the sequence-length symbol.
+        param_names: placeholders bound to parameters/buffers/constants, in graph order.
+        input_names: placeholders of the flat user inputs, in order.
+
+    Returns:
+        The `ChunkedProgram`. Raises `SppoError` when an input-derived value cannot be
+        sliced per chunk.
+    """
+    nodes = list(gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    role = {n: _info(n).role for n in nodes if "sppo_seq" in n.meta}
+    prologue_roots = [n for n in nodes if role.get(n) == "prologue"]
+    prologue_set = set()
+    stack = list(prologue_roots)
+    while stack:
+        n = stack.pop()
+        if n in prologue_set or n.op == "placeholder" or _is_size_node(n):
+            continue
+        prologue_set.add(n)
+        stack.extend(n.all_input_nodes)
+    epilogue_set = {n for n in nodes if role.get(n) == "epilogue"}
+    reductions = [n for n in nodes if role.get(n) == "reduction"]
+    if not reductions:
+        raise SppoError("the loss is not a reduction over the sequence (sum, mean or cross-entropy); "
+                        "sppo_fx needs a loss that sums or averages over tokens")
+
+    # Values that cross from the prologue / user inputs into the per-chunk region.
+    boundaries: list[fx.Node] = []
+    for n in nodes:
+        if n.op != "call_function" or n in prologue_set or n in epilogue_set or _is_size_node(n):
+            continue
+        for a in n.all_input_nodes:
+            if (a in prologue_set or (a.op == "placeholder" and a.name in input_names)) \
+                    and not _is_size_node(a) and a not in boundaries:
+                boundaries.append(a)
+    boundary_specs = []
+    for a in boundaries:
+        dims = _info(a).seq_dims
+        if not dims:
+            boundary_specs.append(Boundary(a.name, None))
+            continue
+        size = a.meta["val"].shape[dims[0]]
+        if len(dims) != 1 or sympy.simplify(size.node.expr - seq) != 0:
+            raise SppoError(
+                f"{describe_node(a)} is computed from the inputs with shape {tuple(a.meta['val'].shape)}: "
+                "sppo_fx slices input-derived values per chunk and needs exactly one dim of the "
+                "sequence length")
+        boundary_specs.append(Boundary(a.name, dims[0]))
+
+    # Prologue: runs once on the full sequence.
+    pb = _Builder(seq, "seq_len")
+    pb.length = pb.placeholder("seq_len")
+    for name in input_names:
+        pb.env[by_name[name]] = pb.placeholder(name, by_name[name])
+    prologue = pb.finish([pb.get(a, lazy=True) for a in boundaries])
+
+    # Chunk program.
+    cb = _Builder(seq, "chunk_len")
+    for name in param_names:
+        cb.env[by_name[name]] = cb.placeholder(name, by_name[name])
+    for a in boundaries:
+        cb.env[a] = cb.placeholder(f"chunk_{a.name}", a)
+    sites = [n for n in nodes if role.get(n) == "attention"]
+    prefixes = {}
+    for s in sites:
+        prefixes[s] = (cb.placeholder(f"{s.name}_k_prefix"), cb.placeholder(f"{s.name}_v_prefix"))
+    start = cb.placeholder("chunk_start")
+    cb.length = cb.placeholder("chunk_len")
+    partials, kv_out, attention, red_sites = [], [], [], []
+    for n in nodes:
+        if n in cb.env or n.op in ("placeholder", "output") or n in prologue_set or n in epilogue_set:
+            continue
+        r = role.get(n)
+        if _is_size_node(n):
+            cb.get(n)
+        elif r == "positional":
+            cb.env[n] = _copy_meta(_rewrite_position(cb, n, start, cb.length), n)
+        elif r == "attention":
+            q, k, v = (cb.get(a) for a in n.args[:3])
+            kp, vp = prefixes[n]
+            k_all = cb.graph.call_function(aten.cat.default, ([kp, k], -2))
+            v_all = cb.graph.call_function(aten.cat.default, ([vp, v], -2))
+            kwargs = {key: n.kwargs[key] for key in ("scale", "enable_gqa") if key in n.kwargs}
+            out = cb.graph.call_function(chunk_causal_attention, (q, k_all, v_all), kwargs)
+            cb.env[n] = _copy_meta(out, n)
+            kv_out += [k, v]
+            attention.append(AttentionSite(n.name, source_line(n), _prefix_shape(n.args[1], seq),
+                                           _prefix_shape(n.args[2], seq), n.args[1].meta["val"].dtype))
+        elif r == "reduction":
+            op, parts = _reduction_partials(cb, n)
+            partials += parts
+            red_sites.append(ReductionSite(n.name, op, source_line(n), len(parts) == 2))
+        else:
+            cb.copy(n)
+    chunk = cb.finish(partials + kv_out)
+    # Drop boundary inputs the chunk program does not read (their consumers were dead).
+    used = {p.name for p in chunk.graph.nodes if p.op == "placeholder" and p.users}
+    for p in list(chunk.graph.nodes):
+        if p.op == "placeholder" and p.name.startswith("chunk_") and p.name not in used \
+                and p.name not in ("chunk_start", "chunk_len"):
+            chunk.graph.erase_node(p)
+    keep = [i for i, a in enumerate(boundaries) if f"chunk_{a.name}" in used]
+    boundary_specs = [boundary_specs[i] for i in keep]
+    prologue_out = next(n for n in prologue.graph.nodes if n.op == "output")
+    prologue_out.args = (tuple(prologue_out.args[0][i] for i in keep),)
+    prologue.graph.eliminate_dead_code()
+    prologue.recompile()
+    chunk.recompile()
+
+    # Epilogue: from the partial totals to the loss.
+    eb = _Builder(seq, "seq_len")
+    eb.length = eb.placeholder("seq_len")
+    for name in param_names:
+        eb.env[by_name[name]] = eb.placeholder(name, by_name[name])
+    for site, n in zip(red_sites, reductions):
+        total = eb.placeholder(f"{n.name}_sum")
+        if site.has_count:
+            count = eb.placeholder(f"{n.name}_count")
+            eb.env[n] = _copy_meta(eb.graph.call_function(aten.div.Tensor, (total, count)), n)
+        else:
+            eb.env[n] = _copy_meta(total, n)
+    for n in nodes:
+        if n in epilogue_set:
+            eb.get(n, lazy=True)
+    out_node = next(n for n in nodes if n.op == "output")
+    outputs = out_node.args[0]
+    loss = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+    epilogue = eb.finish([eb.get(loss, lazy=True)])
+    return ChunkedProgram(prologue=prologue, chunk=chunk, epilogue=epilogue, params=list(param_names),
+                          boundaries=boundary_specs, attention=attention, reductions=red_sites)

@@ -1,0 +1,361 @@
+"""Sequence-dimension analysis (DESIGN.md, Semantics 3).
+
+Every node of a captured graph gets a `SeqInfo` in `node.meta["sppo_seq"]`:
+
+    origin   what the value is computed from: "param" (weights, buffers, constants),
+             "input" (user inputs: token ids, labels), "position" (arange over the
+             sequence, positional slices of buffers) — a set
+    kind     "size"     a symbolic int (sym_size and arithmetic on it)
+             "param"    no sequence dim, computed from weights/constants only
+             "input"    computed from user inputs only        (may go to the prologue)
+             "position" computed from positions (+ weights) only
+             "data"     everything else
+    seq_dims dims of the tensor whose size involves the sequence symbol
+    role     "token_local"    position i of the output depends on position i only
+             "positional"     a position source rewritten with the chunk offset
+                              (arange(T) -> arange(start, start + c), buffer[:T] slices)
+             "attention"      causal SDPA: becomes attention over a K/V prefix
+             "reduction"      a loss / sum / mean over the sequence: cross-chunk accumulation
+             "epilogue"       computed from reductions only (e.g. `loss * 0.5`)
+             "prologue"       input-only and position-mixing (e.g. the label shift
+                              pad + slice): computed once on the full sequence
+             "mask"           a T x T position-only tensor (only allowed as an SDPA mask,
+                              which `recognize_causal_masks` removes first)
+
+Anything else that mixes positions along the sequence (cumsum over hidden states,
+non-causal attention, conv over time, sort, ...) raises `SppoError` naming the op and the
+user's source line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Iterable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from sppo_fx.errors import SppoError, describe_node
+
+aten = torch.ops.aten
+
+SIZE, PARAM, INPUT, POSITION, DATA = "size", "param", "input", "position", "data"
+
+# Ops that never mix positions, whatever their dims (views and copies keep each token's
+# values at its own position; view/reshape can only merge the sequence dim with batch or
+# hidden dims because its size is symbolic).
+_LAYOUT_OPS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+    aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.clone.default,
+    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.detach_.default,
+    aten.lift_fresh_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
+    aten._to_copy.default, aten.type_as.default, aten.flatten.using_ints,
+    aten.unflatten.int, aten.expand_as.default, aten.view_as.default, aten.reshape_as.default,
+    aten.dropout.default, aten.embedding.default, aten.stack.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+}
+_MATMUL_OPS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
+               aten.addmm.default, aten.baddbmm.default, aten.outer.default}
+_SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+              aten.unbind.int, aten.tensor_split.sections}
+# op -> (position of the reduced-dims argument, default when absent = all dims)
+_DIM_REDUCTIONS = {
+    aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten.amax.default: 1, aten.amin.default: 1,
+    aten.var.correction: 1, aten.var_mean.correction: 1, aten.std.correction: 1,
+    aten.logsumexp.default: 1, aten.max.dim: 1, aten.min.dim: 1, aten.argmax.default: 1,
+    aten._softmax.default: 1, aten.softmax.int: 1, aten._log_softmax.default: 1,
+    aten.log_softmax.int: 1, aten.norm.ScalarOpt_dim: 2, aten.linalg_vector_norm.default: 2,
+    aten.all.dim: 1, aten.any.dim: 1,
+}
+_FULL_REDUCTIONS = {aten.sum.default, aten.mean.default}
+_LOSSES = {aten.cross_entropy_loss.default}
+_FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
+              aten.zeros.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default}
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+SDPA = aten.scaled_dot_product_attention.default
+
+
+@dataclasses.dataclass
+class SeqInfo:
+    """Per-node result of the sequence-dimension analysis."""
+
+    kind: str
+    origin: frozenset = frozenset()
+    seq_dims: tuple = ()
+    role: str = "token_local"
+    note: str = ""
+
+    def __str__(self):
+        dims = ",".join(map(str, self.seq_dims)) or "-"
+        return f"{self.kind:8s} {self.role:11s} seq_dims={dims}"
+
+
+def seq_symbol_of(node: fx.Node, dim: int) -> sympy.Symbol | None:
+    """The sympy symbol of dim `dim` of a placeholder's traced value, or None if static."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or dim >= val.dim():
+        return None
+    size = val.shape[dim]
+    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+        return size.node.expr
+    return None
+
+
+def expr_of(value) -> sympy.Expr | None:
+    """The sympy expression of an int/SymInt (None for anything else)."""
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    if isinstance(value, int) and not isinstance(value, bool):
+        return sympy.Integer(value)
+    return None
+
+
+def arg_expr(arg, seq: sympy.Symbol) -> sympy.Expr | None:
+    """The expression of a graph argument that is an int or a size node."""
+    if isinstance(arg, fx.Node):
+        return expr_of(arg.meta.get("val"))
+    return expr_of(arg)
+
+
+def _has_seq(size, seq) -> bool:
+    return isinstance(size, torch.SymInt) and seq in size.node.expr.free_symbols
+
+
+def seq_dims_of(val, seq: sympy.Symbol) -> tuple:
+    if isinstance(val, torch.Tensor):
+        return tuple(i for i, s in enumerate(val.shape) if _has_seq(s, seq))
+    return ()
+
+
+def _tensor_vals(val) -> list:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _is_size_node(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, (torch.SymInt, int, float, bool, torch.SymFloat, torch.SymBool)) and \
+        not isinstance(val, torch.Tensor)
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if not _is_size_node(n)]
+
+
+def _norm_dims(dims, ndim) -> list[int]:
+    if dims is None:
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return [d % ndim if ndim else 0 for d in dims]
+
+
+def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
+    """Why `node` mixes positions along the sequence, or None if it is token-local."""
+    target = node.target
+    ins = [n.meta.get("val") for n in _tensor_inputs(node)]
+    out_vals = _tensor_vals(node.meta.get("val"))
+    in_seq = any(seq_dims_of(v, seq) for v in ins)
+    out_seq = any(seq_dims_of(v, seq) for v in out_vals)
+    if not in_seq and not out_seq:
+        return None
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return None
+    if target in _LAYOUT_OPS or target is operator.getitem:
+        return None
+    if target in (aten._assert_tensor_metadata.default,):
+        return None
+    x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    if target in _MATMUL_OPS:
+        if target is aten.outer.default:
+            return None
+        a = node.args[1] if target in (aten.addmm.default, aten.baddbmm.default) else node.args[0]
+        a = a.meta.get("val")
+        if _has_seq(a.shape[-1], seq):
+            return "contracts over the sequence dimension"
+        return None
+    if target in _DIM_REDUCTIONS:
+        pos = _DIM_REDUCTIONS[target]
+        dims = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim")
+        if target in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int):
+            dims = [node.args[1]]
+        for d in _norm_dims(dims, x.dim()):
+            if _has_seq(x.shape[d], seq):
+                return f"reduces over the sequence dimension (dim {d})"
+        return None
+    if target in (aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default):
+        k = len(node.args[1])
+        if any(_has_seq(s, seq) for s in x.shape[x.dim() - k:]):
+            return "normalises over the sequence dimension"
+        return None
+    if target in _SPLIT_OPS or target in (aten.select.int, aten.index_select.default):
+        if target in (aten.select.int, aten.index_select.default):
+            dim = node.args[1]
+        elif target is aten.unbind.int:
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        else:  # split / split_with_sizes / chunk / tensor_split: dim is the third argument
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        if _has_seq(x.shape[dim % x.dim()], seq):
+            return f"selects or splits along the sequence dimension (dim {dim})"
+        return None
+    if target is aten.slice.Tensor:
+        dim = node.args[1] if len(node.args) > 1 else 0
+        dim %= x.dim()
+        if not _has_seq(x.shape[dim], seq):
+            return None
+        start = node.args[2] if len(node.args) > 2 else None
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        start_e = arg_expr(start, seq) if start is not None else sympy.Integer(0)
+        end_e = arg_expr(end, seq) if end is not None else None
+        full_end = end_e is None or (end_e.is_number and int(end_e) >= 2**62) or \
+            sympy.simplify(end_e - x.shape[dim].node.expr) == 0
+        if start_e == 0 and full_end and step == 1:
+            return None  # a full slice is an identity
+        return "slices the sequence dimension at an offset"
+    if target is aten.cat.default:
+        dim = node.args[1] if len(node.args) > 1 else 0
+        tensors = [t.meta.get("val") for t in node.args[0]]
+        ref = out_vals[0]
+        dim %= ref.dim()
+        if not _has_seq(ref.shape[dim], seq):
+            return None
+        # cat with empty tensors (e.g. an empty K/V cache) is an identity
+        nonempty = [t for t in tensors if not (isinstance(t.numel(), int) and t.numel() == 0)]
+        if len(nonempty) <= 1:
+            return None
+        return "concatenates along the sequence dimension"
+    if target in _FACTORIES:
+        return None  # sources: classified by `kind`, rewritten by the chunk pass
+    if target is SDPA:
+        return "attention"
+    if target in _FULL_REDUCTIONS or target in _LOSSES:
+        if target in _LOSSES and loss_reduction(node) == 0:
+            return None  # reduction="none" is token-local
+        return "reduces over the sequence"
+    return f"is not known to keep positions apart along the sequence ({target})"
+
+
+def loss_reduction(node: fx.Node) -> int:
+    """The `reduction` argument of a loss node: 0 none, 1 mean, 2 sum."""
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+
+
+def _origin(node: fx.Node, kinds: dict, param_names: set[str], seq) -> frozenset:
+    if node.op == "placeholder":
+        return frozenset({PARAM}) if node.name in param_names else frozenset({INPUT})
+    if node.op == "get_attr":
+        return frozenset({PARAM})
+    if node.target in _FACTORIES:
+        return frozenset({POSITION}) if seq_dims_of(node.meta.get("val"), seq) else frozenset()
+    acc = set()
+    for n in _tensor_inputs(node):
+        acc |= kinds[n].origin
+    # A slice of weights/buffers whose length is the sequence length is a position source
+    # (nanoGPT-style `freqs[:T]`).
+    if acc <= {PARAM} and seq_dims_of(node.meta.get("val"), seq):
+        acc.add(POSITION)
+    return frozenset(acc)
+
+
+def _kind(node: fx.Node, origin: frozenset) -> str:
+    if _is_size_node(node) and node.op != "placeholder":
+        return SIZE
+    if INPUT in origin and (PARAM in origin or POSITION in origin):
+        return DATA
+    if origin == {INPUT}:
+        return INPUT
+    if POSITION in origin:
+        return POSITION
+    return PARAM
+
+
+def is_causal_sdpa(node: fx.Node) -> bool:
+    attn_mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    is_causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    return attn_mask is None and bool(is_causal)
+
+
+def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str]) -> dict[str, SeqInfo]:
+    """Classify every node of `gm` (see the module docstring) and store it in node.meta.
+
+    Args:
+        gm: the captured graph (after `recognize_causal_masks`).
+        seq: the sympy symbol of the sequence length.
+        param_names: names of placeholders that hold parameters, buffers or constants.
+
+    Returns:
+        {node name: SeqInfo}. Raises `SppoError` for a node that mixes positions and
+        cannot be made exact per chunk.
+    """
+    param_names = set(param_names)
+    infos: dict[fx.Node, SeqInfo] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        origin = _origin(node, infos, param_names, seq)
+        kind = _kind(node, origin)
+        info = SeqInfo(kind=kind, origin=origin, seq_dims=seq_dims_of(node.meta.get("val"), seq))
+        infos[node] = info
+        if node.op != "call_function" or kind == SIZE:
+            continue
+        if any(infos[n].role in ("reduction", "epilogue") for n in _tensor_inputs(node)):
+            if info.seq_dims or any(infos[n].seq_dims for n in _tensor_inputs(node)):
+                raise SppoError(
+                    f"{describe_node(node)} combines a value reduced over the sequence with a "
+                    "per-token value; sppo_fx needs the loss to be a reduction over the sequence "
+                    "followed by scalar operations only")
+            info.role = "epilogue"
+            continue
+        if kind == PARAM:
+            continue
+        if node.target in _ARANGES or (node.target is aten.slice.Tensor and origin <= {PARAM, POSITION}
+                                        and not any(infos[n].seq_dims for n in _tensor_inputs(node))):
+            if info.seq_dims:
+                info.role = "positional"
+                continue
+        reason = _mixing_reason(node, seq, infos)
+        if reason is None:
+            if len(info.seq_dims) > 1:
+                info.role = "mask"
+            continue
+        if kind == INPUT:
+            info.role = "prologue"
+            continue
+        if node.target is SDPA:
+            if is_causal_sdpa(node) and (len(node.args) <= 4 or node.args[4] == 0.0):
+                info.role = "attention"
+                continue
+            mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+            why = ("with dropout" if len(node.args) > 4 and node.args[4] else
+                   "without a causal mask (is_causal=False and no attn_mask)" if mask is None else
+                   "with an attention mask that is not a recognised causal mask")
+            raise SppoError(
+                f"{describe_node(node)}: attention {why}. sppo_fx chunks the sequence and needs "
+                "causal attention (is_causal=True, or a causal mask built from positions), "
+                "with dropout_p=0")
+        if node.target in _FULL_REDUCTIONS or node.target in _LOSSES:
+            info.role = "reduction"
+            continue
+        raise SppoError(
+            f"{describe_node(node)} {reason}, which mixes positions along the sequence. "
+            "sppo_fx cannot cut such a model into sequence chunks exactly; make the operation "
+            "token-local or causal (causal attention is supported)")
+    for node, info in infos.items():
+        node.meta["sppo_seq"] = info
+    return {n.name: i for n, i in infos.items()}
+
+
+def format_analysis(gm: fx.GraphModule) -> str:
+    """A readable table of the analysis stored in node.meta (one line per node)."""
+    rows = []
+    for node in gm.graph.nodes:
+        info = node.meta.get("sppo_seq")
+        if info is not None:
+            rows.append(f"{node.name:40s} {info}")
+    return "\n".join(rows)
