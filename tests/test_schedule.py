@@ -155,6 +155,12 @@ def test_schedule_str_format():
     assert lines[2] == "rank 1: 1RECV_F0.0 1F0.0 1RECV_F0.1 1F0.1 1B0.1 1SEND_B0.1 1B0.0 1SEND_B0.0"
 
 
+def test_module_docstring_example_is_current():
+    import sppo_fx.runtime.schedule as mod
+    for line in str(gpipe_schedule(2, 1, 2)).splitlines():
+        assert "    " + line + "\n" in mod.__doc__
+
+
 def test_schedule_parse_without_header_infers_sizes():
     s = one_f_one_b_schedule(3, 2, 4)
     text = "\n".join(s.rank_line(r) for r in range(3))
@@ -297,7 +303,6 @@ def test_build_schedule():
 
 
 def test_insert_communication_custom_order():
-    # stage 1 runs micro-batch 1 backward before finishing... a legal but unusual order:
     P, M, N = 2, 2, 2
     comp = one_f_one_b_compute_order(P, M, N)
     s = insert_communication(P, M, N, comp)
@@ -308,8 +313,9 @@ def test_insert_communication_custom_order():
     bad = gpipe_compute_order(P, M, N)
     i, j = bad[0].index(A("0B0.0")), bad[0].index(A("0B0.1"))
     bad[0][i], bad[0][j] = bad[0][j], bad[0][i]
-    with pytest.raises(ScheduleError, match="deadlock"):
+    with pytest.raises(ScheduleError, match="deadlock") as e:
         insert_communication(P, M, N, bad)
+    assert e.value.stuck[0] == A("0B0.0")
     with pytest.raises(ScheduleError, match="only F/B"):
         insert_communication(P, M, N, {0: [A("0OFF0.0")]})
 
@@ -373,6 +379,8 @@ def test_waiting_for_gradient_before_sending_activation_deadlocks():
     with pytest.raises(ScheduleError, match="deadlock") as e:
         validate(s)
     assert e.value.stuck == {0: A("0RECV_B0.0"), 1: A("1RECV_F0.0")}
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(s, comm="buffered")
 
 
 def test_last_stage_backward_needs_whole_forward():
@@ -635,3 +643,37 @@ def test_validator_on_shuffled_schedules_only_raises_schedule_error(P, M, N, rnd
     except ScheduleError as e:
         assert e.action is not None
         assert str(e.action) in str(e)
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 4), st.randoms(use_true_random=False))
+@settings(max_examples=100, deadline=None)
+def test_any_feasible_compute_order_gets_deadlock_free_communication(P, M, N, rnd):
+    """Random linear extensions of the dependency graph always validate."""
+    fw = [(m, i) for m in range(M) for i in range(N)]
+    bw = [(m, i) for m in range(M) for i in reversed(range(N))]
+    nf, nb = [0] * P, [0] * P
+    done = set()
+    orders = {s: [] for s in range(P)}
+
+    def ready(a):
+        s, m, i = a.key
+        if a.kind is K.F:
+            deps = [(K.F, s, m, i - 1)] * (i > 0) + [(K.F, s - 1, m, i)] * (s > 0)
+        else:
+            deps = [(K.F, s, m, N - 1) if s == P - 1 else (K.B, s + 1, m, i)]
+            deps += [(K.B, s, m, i + 1)] * (i < N - 1)
+        return all(Action(*d) in done for d in deps)
+
+    while len(done) < 2 * P * M * N:
+        cands = [Action(K.F, s, *fw[nf[s]]) for s in range(P) if nf[s] < len(fw)]
+        cands += [Action(K.B, s, *bw[nb[s]]) for s in range(P) if nb[s] < len(bw)]
+        a = rnd.choice([c for c in cands if ready(c)])
+        done.add(a)
+        orders[a.stage].append(a)
+        if a.kind is K.F:
+            nf[a.stage] += 1
+        else:
+            nb[a.stage] += 1
+    s = insert_communication(P, M, N, orders)
+    validate(s)
+    validate(s, comm="buffered")

@@ -85,6 +85,7 @@ activations, versus ``M*N`` for GPipe.
 """
 from __future__ import annotations
 
+import bisect
 import enum
 import json
 import numbers
@@ -686,8 +687,9 @@ class _Simulator:
                     f"rank {peer} has finished"
                 parts.append(f"rank {r} blocked at {a} waiting for {cp} ({where})")
             else:
-                parts.append(f"rank {r} blocked at {a} waiting for {cp} to be sent "
-                             f"(rank {peer} is at {peer_head})")
+                where = f"rank {peer} is at {peer_head}" if peer_head is not None else \
+                    f"rank {peer} has finished"
+                parts.append(f"rank {r} blocked at {a} waiting for {cp} to be sent ({where})")
         raise ScheduleError(
             "deadlock: no rank can make progress; " + "; ".join(parts) +
             ". Sends and receives between two ranks must be posted in the same order.",
@@ -838,10 +840,10 @@ def insert_communication(num_stages: int, num_microbatches: int, num_chunks: int
         ran = [lists[r][pcs[r]] for r in range(P)
                if pcs[r] < len(lists[r]) and ready(lists[r][pcs[r]])]
         if not ran:
-            heads = ", ".join(f"rank {r} at {lists[r][pcs[r]]}" for r in range(P)
-                              if pcs[r] < len(lists[r]))
+            stuck = {r: lists[r][pcs[r]] for r in range(P) if pcs[r] < len(lists[r])}
+            heads = ", ".join(f"rank {r} at {a}" for r, a in stuck.items())
             raise ScheduleError(f"the compute orders deadlock: {heads} all wait for inputs "
-                                f"that are never produced", None)
+                                f"that are never produced", next(iter(stuck.values())), stuck)
         for a in ran:
             s, m, i = a.key
             done.add(a)
@@ -904,12 +906,12 @@ def with_offload(schedule: Schedule, offload: Iterable[tuple[int, int, int]], *,
             if bj < fj:
                 raise ScheduleError(f"cannot offload {s, m, i}: {b_act} comes before {f_act}",
                                     b_act)
-            prev_b = [j for j in b_positions if j < bj]
-            if prev_b:
-                pj = prev_b[-prefetch_distance] if len(prev_b) >= prefetch_distance else prev_b[0]
+            n_prev_b = bisect.bisect_left(b_positions, bj)  # backwards before this one
+            if n_prev_b:
+                pj = b_positions[max(n_prev_b - prefetch_distance, 0)]
             else:
-                prev_c = [j for j in compute_positions if j < bj]
-                pj = prev_c[-1] if prev_c else bj
+                n_prev_c = bisect.bisect_left(compute_positions, bj)
+                pj = compute_positions[n_prev_c - 1] if n_prev_c else bj
             pj = max(pj, fj + 1)
             inserts.append((fj + 1, 0, bj, _a(K.OFFLOAD, s, m, i)))
             inserts.append((pj, 1, bj, _a(K.PREFETCH, s, m, i)))

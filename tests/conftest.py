@@ -1,0 +1,96 @@
+"""Shared helpers: eager reference gradients and a builder for hand-made FX graphs."""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def eager_loss_and_grads(model, call):
+    """(loss, {name: grad}) of `call(model)` run eagerly on the full sequence."""
+    model.zero_grad(set_to_none=True)
+    loss = call(model)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_matches_eager(model, eager_call, compiled_call, rtol=RTOL, atol=ATOL):
+    """Loss and every parameter gradient of `compiled_call` equal the eager ones."""
+    ref_loss, ref_grads = eager_loss_and_grads(model, eager_call)
+    loss = compiled_call()
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=rtol, atol=atol)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert ref_grads, "the eager reference produced no gradients"
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            assert p.grad is not None, f"no gradient for {name}"
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    assert len(ref_grads) == len(set(names) & set(ref_grads))
+    model.zero_grad(set_to_none=True)
+    return loss
+
+
+class HandGraph:
+    """Build an FX graph by hand with symbolic-shape metadata like torch.export's.
+
+    `T` is the SymInt sequence length; `input`/`param` add placeholders, `call` adds an op
+    whose meta["val"] is computed on fake tensors.
+    """
+
+    def __init__(self, example_len: int = 16):
+        self.mode = FakeTensorMode(shape_env=ShapeEnv())
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC])
+        self._seq_source = self.mode.from_tensor(torch.zeros(example_len), symbolic_context=ctx)
+        self.T = self._seq_source.shape[0]
+        self.seq = self.T.node.expr
+        self.graph = fx.Graph()
+        self.params: list[str] = []
+        self.inputs: list[str] = []
+
+    def _placeholder(self, name, shape, dtype):
+        node = self.graph.placeholder(name)
+        with self.mode:
+            node.meta["val"] = torch.empty(shape, dtype=dtype)
+        return node
+
+    def input(self, name, shape, dtype=torch.float32):
+        self.inputs.append(name)
+        return self._placeholder(name, shape, dtype)
+
+    def param(self, name, shape, dtype=torch.float32):
+        self.params.append(name)
+        return self._placeholder(name, shape, dtype)
+
+    def call(self, target, *args, **kwargs):
+        node = self.graph.call_function(target, args, kwargs)
+        vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.mode:
+            node.meta["val"] = target(*vals[0], **vals[1])
+        node.meta["stack_trace"] = f'File "hand_built.py", line {len(self.graph.nodes)}, in forward\n    {node.name} = ...'
+        return node
+
+    def size(self, node, dim):
+        return self.call(torch.ops.aten.sym_size.int, node, dim)
+
+    def output(self, node) -> fx.GraphModule:
+        self.graph.output((node,))
+        return fx.GraphModule(torch.nn.Module(), self.graph)
+
+
+@pytest.fixture
+def hand():
+    return HandGraph()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,114 @@
+"""Bad input raises SppoError naming the op and source line (or what to change), before any step."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sppo_fx
+from sppo_fx import SppoError
+from sppo_fx.models import build
+
+
+class TinyLM(nn.Module):
+    """A one-block LM whose attention / mixing op is chosen by `mode`."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.emb = nn.Embedding(50, 16)
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 50)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        b, t, _ = h.shape
+        q, k, v = self.qkv(h).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if self.mode == "noncausal":
+            a = F.scaled_dot_product_attention(q, k, v)
+        elif self.mode == "dense_mask":
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(t, t, dtype=torch.bool))
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + a.transpose(1, 2).reshape(b, t, 16)
+        if self.mode == "cumsum":
+            h = h.cumsum(dim=1)
+        if self.mode == "flip":
+            h = h.flip(1)
+        return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
+
+
+def _data():
+    return torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12))
+
+
+def _no_grads(model):
+    return all(p.grad is None for p in model.parameters())
+
+
+def test_non_causal_attention_is_refused_with_op_and_line():
+    model = TinyLM("noncausal")
+    with pytest.raises(SppoError) as err:
+        sppo_fx.compile(model, chunks=2)(*_data())
+    msg = str(err.value)
+    assert "scaled_dot_product_attention" in msg and "test_errors.py" in msg and "a = F.scaled_dot_product_attention(q, k, v)" in msg
+    assert "is_causal=True" in msg
+    assert _no_grads(model)
+
+
+def test_non_causal_mask_is_refused():
+    with pytest.raises(SppoError, match="not the causal mask"):
+        sppo_fx.compile(TinyLM("dense_mask"), chunks=2)(*_data())
+
+
+def test_cumsum_over_hidden_states_is_refused_with_op_and_line():
+    model = TinyLM("cumsum")
+    with pytest.raises(SppoError) as err:
+        sppo_fx.compile(model, chunks=2)(*_data())
+    msg = str(err.value)
+    assert "aten.cumsum" in msg and "h = h.cumsum(dim=1)" in msg and "mixes positions" in msg
+    assert _no_grads(model)
+
+
+def test_flip_along_sequence_is_refused():
+    with pytest.raises(SppoError, match=r"aten\.flip.*h = h\.flip\(1\)"):
+        sppo_fx.compile(TinyLM("flip"), chunks=2)(*_data())
+
+
+def test_fewer_tokens_than_chunks_is_refused_before_tracing(monkeypatch):
+    import sppo_fx.api as api
+    monkeypatch.setattr(api, "capture", lambda *a, **k: pytest.fail("traced before checking the plan"))
+    x = torch.randint(0, 97, (1, 5))
+    with pytest.raises(SppoError, match="fewer than chunks=7: use chunks <= 5"):
+        sppo_fx.compile(build("gpt"), chunks=7)(x, x)
+
+
+def test_chunk_lengths_must_sum_to_sequence():
+    x = torch.randint(0, 97, (1, 10))
+    with pytest.raises(SppoError, match="make them sum to 10"):
+        sppo_fx.compile(build("gpt"), chunk_lengths=[4, 4])(x, x)
+
+
+def test_output_without_loss_names_the_fix():
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+
+        def forward(self, x):
+            return {"logits": self.emb(x)}
+
+    with pytest.raises(SppoError, match="loss_fn"):
+        sppo_fx.compile(Logits(), chunks=2)(torch.zeros(1, 6, dtype=torch.long))
+
+
+def test_budget_is_not_silently_ignored():
+    with pytest.raises(SppoError, match="budget= is not implemented"):
+        sppo_fx.compile(build("gpt"), budget="1GiB")
+
+
+def test_decorated_function_needs_model_first():
+    step = sppo_fx.compile(chunks=2)(lambda m, x: m(x, x))
+    with pytest.raises(SppoError, match="first argument must be the nn.Module"):
+        step(torch.zeros(1, 4, dtype=torch.long))

@@ -1,0 +1,131 @@
+"""Unit tests of the sequence-dimension analysis on hand-built FX graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sppo_fx import SppoError
+from sppo_fx.passes.seqdim import analyse
+
+aten = torch.ops.aten
+
+
+def _lm(hand, tail=None):
+    """ids -> embedding -> linear -> (tail) -> cross_entropy(mean)."""
+    ids = hand.input("ids", (2, hand.T), torch.int64)
+    labels = hand.input("labels", (2, hand.T), torch.int64)
+    wte = hand.param("wte", (11, 8))
+    emb = hand.call(aten.embedding.default, wte, ids)
+    h = hand.call(aten.linear.default, emb, hand.param("w", (8, 8)))
+    if tail is not None:
+        h = tail(hand, h)
+    logits = hand.call(aten.linear.default, h, wte)
+    flat = hand.call(aten.view.default, logits, [-1, 11])
+    tgt = hand.call(aten.view.default, labels, [-1])
+    loss = hand.call(aten.cross_entropy_loss.default, flat, tgt)
+    return hand.output(loss)
+
+
+def _roles(hand, gm):
+    info = analyse(gm, hand.seq, hand.params)
+    return {name: (i.kind, i.role, i.seq_dims) for name, i in info.items()}
+
+
+def test_token_local_chain(hand):
+    gm = _lm(hand)
+    roles = _roles(hand, gm)
+    assert roles["embedding_default"] == ("data", "token_local", (1,))
+    assert roles["wte"] == ("param", "token_local", ())
+    assert roles["view_default"][2] == (0,)  # [b*T, V]: the merged dim still carries the sequence
+    assert roles["cross_entropy_loss_default"][1] == "reduction"
+    assert roles["view_default_1"][:2] == ("input", "token_local")
+
+
+def test_positions_are_positional_sources(hand):
+    def tail(hand, h):
+        n = hand.size(h, 1)
+        pos = hand.call(aten.arange.default, n, dtype=torch.float32)
+        col = hand.call(aten.unsqueeze.default, pos, -1)
+        return hand.call(aten.add.Tensor, h, col)
+
+    roles = _roles(hand, _lm(hand, tail))
+    assert roles["sym_size_int"][0] == "size"
+    assert roles["arange_default"] == ("position", "positional", (0,))
+    assert roles["unsqueeze_default"] == ("position", "token_local", (0,))
+    assert roles["add_tensor"][:2] == ("data", "token_local")
+
+
+def test_causal_sdpa_is_an_attention_site(hand):
+    def tail(hand, h):
+        q = hand.call(aten.view.default, h, [2, hand.size(h, 1), 2, 4])
+        q = hand.call(aten.transpose.int, q, 1, 2)
+        a = hand.call(aten.scaled_dot_product_attention.default, q, q, q, None, 0.0, True)
+        a = hand.call(aten.transpose.int, a, 1, 2)
+        return hand.call(aten.reshape.default, a, [2, hand.size(h, 1), 8])
+
+    roles = _roles(hand, _lm(hand, tail))
+    assert roles["scaled_dot_product_attention_default"][1] == "attention"
+
+
+def test_epilogue_after_reduction(hand):
+    ids = hand.input("ids", (1, hand.T), torch.int64)
+    h = hand.call(aten.embedding.default, hand.param("w", (5, 3)), ids)
+    m = hand.call(aten.mean.default, h)
+    half = hand.call(aten.mul.Tensor, m, 0.5)
+    roles = _roles(hand, hand.output(half))
+    assert roles["mean_default"][1] == "reduction"
+    assert roles["mul_tensor"][1] == "epilogue"
+
+
+def test_input_only_shift_goes_to_prologue(hand):
+    ids = hand.input("ids", (1, hand.T), torch.int64)
+    # (pad + slice as Hugging Face does it specialises the hand-made ShapeEnv; roll is the same shift)
+    shifted = hand.call(aten.roll.default, ids, [-1], [1])
+    h = hand.call(aten.embedding.default, hand.param("w", (5, 3)), shifted)
+    roles = _roles(hand, hand.output(hand.call(aten.sum.default, h)))
+    assert roles["roll_default"] == ("input", "prologue", (1,))
+    assert roles["embedding_default"] == ("data", "token_local", (1,))
+
+
+@pytest.mark.parametrize("op,args,match", [
+    (aten.cumsum.default, (1,), "aten.cumsum.default"),
+    (aten.flip.default, ([1],), "aten.flip.default"),
+    (aten.sum.dim_IntList, ([1], True), "reduces over the sequence dimension"),
+    (aten.select.int, (1, 0), "selects or splits along the sequence"),
+])
+def test_position_mixing_ops_are_refused(hand, op, args, match):
+    ids = hand.input("ids", (2, hand.T), torch.int64)
+    h = hand.call(aten.embedding.default, hand.param("w", (5, 3)), ids)
+    mixed = hand.call(op, h, *args)
+    gm = hand.output(hand.call(aten.sum.default, mixed))
+    with pytest.raises(SppoError, match=match) as err:
+        analyse(gm, hand.seq, hand.params)
+    assert "hand_built.py" in str(err.value)
+
+
+def test_matmul_contracting_the_sequence_is_refused(hand):
+    ids = hand.input("ids", (2, hand.T), torch.int64)
+    h = hand.call(aten.embedding.default, hand.param("w", (5, 3)), ids)
+    ht = hand.call(aten.transpose.int, h, 1, 2)
+    gram = hand.call(aten.bmm.default, ht, h)  # [b, 3, 3]: sums over all positions
+    gm = hand.output(hand.call(aten.sum.default, gram))
+    with pytest.raises(SppoError, match="contracts over the sequence dimension"):
+        analyse(gm, hand.seq, hand.params)
+
+
+def test_non_causal_sdpa_is_refused(hand):
+    ids = hand.input("ids", (2, hand.T), torch.int64)
+    h = hand.call(aten.embedding.default, hand.param("w", (5, 8)), ids)
+    q = hand.call(aten.view.default, h, [2, hand.size(h, 1), 2, 4])
+    a = hand.call(aten.scaled_dot_product_attention.default, q, q, q)
+    with pytest.raises(SppoError, match="is_causal=True"):
+        analyse(hand.output(hand.call(aten.sum.default, a)), hand.seq, hand.params)
+
+
+def test_loss_combined_with_per_token_values_is_refused(hand):
+    ids = hand.input("ids", (2, hand.T), torch.int64)
+    h = hand.call(aten.embedding.default, hand.param("w", (5, 3)), ids)
+    m = hand.call(aten.mean.default, h)
+    centred = hand.call(aten.sub.Tensor, h, m)
+    with pytest.raises(SppoError, match="combines a value reduced over the sequence"):
+        analyse(hand.output(hand.call(aten.sum.default, centred)), hand.seq, hand.params)
