@@ -1,0 +1,5 @@
+import sys
+
+from sppo_fx.cli import main
+
+sys.exit(main())
