@@ -76,6 +76,7 @@ class Captured:
         param_fqns: placeholder name -> ("parameter" | "buffer" | "constant", fqn).
         input_names: placeholder names of the flat user input tensors, in order.
         input_seq_dims: for each flat input, its sequence dim or None.
+        input_labels: for each flat input, where the user passed it ("arg0", "labels", "target").
     """
 
     module: LossModule
@@ -85,6 +86,7 @@ class Captured:
     param_fqns: dict[str, tuple[str, str]]
     input_names: list[str]
     input_seq_dims: list[int | None]
+    input_labels: list[str] = dataclasses.field(default_factory=list)
 
     def param_value(self, name: str) -> torch.Tensor | None:
         """The live tensor bound to a parameter/buffer/constant placeholder (None for inputs)."""
@@ -102,6 +104,23 @@ class Captured:
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.program.graph_module.graph, {}))
         return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def input_labels(args: tuple, kwargs: dict, target) -> list[str]:
+    """Readable names of the tensor leaves of (args, kwargs, target), in flat order."""
+    labels = []
+    for path, leaf in pytree.tree_flatten_with_path((tuple(args), dict(kwargs), target))[0]:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        head, rest = path[0].idx, path[1:]
+        if head == 0:
+            name = f"arg{rest[0].idx}" + "".join(str(k) for k in rest[1:])
+        elif head == 1:
+            name = str(rest[0].key) + "".join(str(k) for k in rest[1:])
+        else:
+            name = "target" + "".join(str(k) for k in rest)
+        labels.append(name)
+    return labels
 
 
 def flatten_call(args: tuple, kwargs: dict, target) -> tuple[list, pytree.TreeSpec, list[int]]:
@@ -167,7 +186,8 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
     lo = int(vr.lower) if vr is not None else 2
     hi = float(vr.upper) if vr is not None and vr.upper.is_finite else float("inf")
     return Captured(module=module, program=program, seq=seq, seq_range=(lo, hi),
-                    param_fqns=param_fqns, input_names=user_inputs, input_seq_dims=seq_dims)
+                    param_fqns=param_fqns, input_names=user_inputs, input_seq_dims=seq_dims,
+                    input_labels=input_labels(args, kwargs, target))
 
 
 def strip_asserts(gm: fx.GraphModule) -> fx.GraphModule:

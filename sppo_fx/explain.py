@@ -35,7 +35,11 @@ def explain(captured: Captured, program: ChunkedProgram, plan: Plan | None) -> s
                           headers=["node", "K prefix [b,h,0,d]", "V prefix", "source"]))
     lines += ["", "Sequence reductions (accumulated over chunks):"]
     lines.append(tabulate([(r.name, r.op, r.source) for r in program.reductions], headers=["node", "op", "source"]))
-    lines += ["", "Inputs sliced per chunk:"]
+    lines += ["", "User inputs:"]
+    lines.append(tabulate([(n, label, "-" if d is None else f"dim {d}") for n, label, d in
+                           zip(captured.input_names, captured.input_labels, captured.input_seq_dims)],
+                          headers=["placeholder", "passed as", "sequence"]))
+    lines += ["", "Values sliced per chunk (prologue outputs):"]
     lines.append(tabulate([(b.name, "whole" if b.seq_dim is None else f"dim {b.seq_dim}")
                            for b in program.boundaries], headers=["value", "sliced along"]))
     lines += ["", "Programs:",

@@ -77,7 +77,8 @@ def test_chunk_program_computes_chunk_values(hand):
     kp = vp = torch.empty(1, 2, 0, 4)
     s0, c0, k0, v0 = prog.chunk(w, ids[:, :6], labels[:, :6], kp, vp, 0, 6)
     s1, c1, k1, v1 = prog.chunk(w, ids[:, 6:], labels[:, 6:], k0, v0, 6, 4)
-    (loss,) = prog.epilogue(10, w, s0 + s1, c0 + c1)
+    (loss,) = prog.epilogue(10, s0 + s1, c0 + c1)
+    assert prog.epilogue_params == []
     torch.testing.assert_close(loss, full)
 
 

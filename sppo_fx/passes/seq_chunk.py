@@ -24,7 +24,7 @@ global count, so `ignore_index` means use the global count of valid tokens).
     prologue(seq_len, *user_inputs)                          -> boundary values (full length)
     chunk(*params, *boundary slices, *kv prefixes, chunk_start, chunk_len)
                                                              -> (*partials, *k/v per site)
-    epilogue(seq_len, *params, *partial totals)              -> loss
+    epilogue(seq_len, *epilogue params, *partial totals)     -> loss
 """
 from __future__ import annotations
 
@@ -94,8 +94,9 @@ class ChunkedProgram:
         prologue: (seq_len, *user_inputs) -> boundary values.
         chunk: (*params, *boundary slices, *k/v prefixes, chunk_start, chunk_len)
             -> (*partials, *[k, v] per attention site).
-        epilogue: (seq_len, *params, *partial totals) -> loss.
-        params: parameter/buffer/constant placeholder names, in the order both take them.
+        epilogue: (seq_len, *epilogue_params, *partial totals) -> loss.
+        params: parameter/buffer/constant placeholder names the chunk program takes, in order.
+        epilogue_params: those the epilogue takes (usually none), in order.
         boundaries: the prologue outputs, in chunk-program order.
         attention: attention sites, in chunk-program K/V order.
         reductions: reduction sites; partials are (sum[, count]) per site in this order.
@@ -105,6 +106,7 @@ class ChunkedProgram:
     chunk: fx.GraphModule
     epilogue: fx.GraphModule
     params: list[str]
+    epilogue_params: list[str]
     boundaries: list[Boundary]
     attention: list[AttentionSite]
     reductions: list[ReductionSite]
@@ -389,5 +391,11 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
     outputs = out_node.args[0]
     loss = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
     epilogue = eb.finish([eb.get(loss, lazy=True)])
+    for p in list(epilogue.graph.nodes):
+        if p.op == "placeholder" and p.name in param_names and not p.users:
+            epilogue.graph.erase_node(p)
+    epilogue.recompile()
+    epilogue_params = [p.name for p in epilogue.graph.nodes if p.op == "placeholder" and p.name in param_names]
     return ChunkedProgram(prologue=prologue, chunk=chunk, epilogue=epilogue, params=list(param_names),
-                          boundaries=boundary_specs, attention=attention, reductions=red_sites)
+                          epilogue_params=epilogue_params, boundaries=boundary_specs, attention=attention,
+                          reductions=red_sites)

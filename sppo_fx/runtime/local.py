@@ -90,7 +90,9 @@ class ChunkedRun:
                     acc = acc + st.partials[k].detach()
                 totals.append(acc.requires_grad_(self.needs_grad and acc.is_floating_point()))
             self.totals = totals
-            (self.loss,) = prog.epilogue(plan.seq_len, *self.params, *totals)
+            index = {name: k for k, name in enumerate(prog.params)}
+            epi_params = [self.params[index[name]] for name in prog.epilogue_params]
+            (self.loss,) = prog.epilogue(plan.seq_len, *epi_params, *totals)
         return self.loss.detach()
 
     def backward(self, grad: torch.Tensor) -> list[torch.Tensor | None]:
