@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.capture import Captured, capture, flatten_call
+from sppo_fx.codegen import CompiledProgram, compile_chunk_program
 from sppo_fx.errors import SppoError
 from sppo_fx.passes import transform
 from sppo_fx.passes.seq_chunk import ChunkedProgram
@@ -44,6 +45,8 @@ class CompileOptions:
         seq_dim: the sequence dim of the inputs.
         budget: per-device memory budget (bytes or "24GiB"); not implemented yet.
         log_passes: print each graph after its pass.
+        compile: compile the chunk programs with Inductor (False runs the FX graphs eagerly,
+            for debugging).
     """
 
     loss_fn: Callable | None = None
@@ -52,6 +55,7 @@ class CompileOptions:
     seq_dim: int = 1
     budget: int | str | None = None
     log_passes: bool | None = None
+    compile: bool = True
 
 
 @dataclasses.dataclass
@@ -59,6 +63,7 @@ class _Entry:
     captured: Captured
     graph: fx.GraphModule
     program: ChunkedProgram
+    compiled_chunk: CompiledProgram | None = None
 
 
 class SppoCompiled:
@@ -107,7 +112,7 @@ class SppoCompiled:
         plan = self.plan_for(seq_len)
         self.plan = plan
         params = [cap.param_value(name) for name in entry.program.params]
-        return chunked_loss(entry.program, params, tensors, plan)
+        return chunked_loss(entry.program, params, tensors, plan, entry.compiled_chunk)
 
     def _entry(self, model, args, kwargs, target, leaves, spec, slots, tensors) -> _Entry:
         seq_dim = self.options.seq_dim
@@ -126,7 +131,7 @@ class SppoCompiled:
         self.plan_for(next(t.shape[seq_dim] for t in tensors if t.dim() > seq_dim))  # fail before tracing
         cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
         graph, program = transform(cap, log=self.options.log_passes)
-        entry = _Entry(cap, graph, program)
+        entry = _Entry(cap, graph, program, compile_chunk_program(program.chunk) if self.options.compile else None)
         self._cache[key] = entry
         self._last = entry
         return entry
@@ -149,15 +154,21 @@ class SppoCompiled:
         """The ChunkedProgram of the last call."""
         return self._require_entry().program
 
+    @property
+    def codegen(self) -> CompiledProgram | None:
+        """The Inductor-compiled chunk program of the last call (None with compile=False)."""
+        return self._require_entry().compiled_chunk
+
     def explain(self) -> str:
-        """A readable summary: chunk plan, attention sites, each program's inputs and outputs."""
+        """A readable summary: chunk plan, attention sites, each program's inputs and outputs,
+        and where Inductor's generated code is."""
         from sppo_fx.explain import explain
         e = self._require_entry()
-        return explain(e.captured, e.program, self.plan)
+        return explain(e.captured, e.program, self.plan, e.compiled_chunk)
 
 
 def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,
-            log_passes=None):
+            log_passes=None, compile=True):  # noqa: A002 - the option is named as torch.compile
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -169,6 +180,8 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         seq_dim: the sequence dim of the inputs.
         budget: per-device memory budget; not implemented yet (raises SppoError).
         log_passes: print each graph after its pass.
+        compile: compile the chunk program with Inductor (C++ on CPU, Triton on GPU);
+            False runs the FX graphs op by op, for debugging.
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -180,7 +193,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
     if chunk_lengths is not None:
         chunk_lengths = [int(c) for c in chunk_lengths]
     options = CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths,
-                             seq_dim=seq_dim, budget=budget, log_passes=log_passes)
+                             seq_dim=seq_dim, budget=budget, log_passes=log_passes, compile=compile)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

@@ -13,7 +13,7 @@ def _explain(args) -> int:
     model = build(args.model, args.size)
     vocab = model.config.vocab_size
     x = torch.randint(0, vocab, (args.batch, args.seq_len))
-    compiled = sppo_fx.compile(model, chunks=args.chunks)
+    compiled = sppo_fx.compile(model, chunks=args.chunks, compile=args.compile)
     with torch.no_grad():
         compiled(x, x)
     print(compiled.explain())
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p_explain.add_argument("--batch", type=int, default=1)
     p_explain.add_argument("--chunks", type=int, default=4)
     p_explain.add_argument("--graphs", action="store_true", help="also print every transformed graph")
+    p_explain.add_argument("--compile", action="store_true", help="compile with Inductor and list its generated code")
     p_explain.set_defaults(func=_explain)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -40,18 +40,19 @@ def sample_batch(corpus: torch.Tensor, batch: int, seq_len: int, gen: torch.Gene
     return windows[:, :-1], windows[:, 1:]
 
 
-def run(steps: int, seq_len: int, chunks: int, batch: int, size: str, lr: float, seed: int) -> dict:
+def run(steps: int, seq_len: int, chunks: int, batch: int, size: str, lr: float, seed: int,
+        compile: bool = True) -> dict:  # noqa: A002
     """Train and report; returns the figures it printed (for tests)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     corpus = stdlib_corpus()
     model = build("llama", size, vocab_size=256)
     n_params = sum(p.numel() for p in model.parameters())
-    compiled = sppo_fx.compile(model, chunks=chunks)
+    compiled = sppo_fx.compile(model, chunks=chunks, compile=compile)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     print(f"sppo_fx demo: Llama-style '{size}' model, {n_params / 1e6:.1f}M parameters; "
           f"{corpus.numel() / 1e6:.1f} MB of standard-library source; batch {batch} x {seq_len} bytes, "
-          f"{chunks} chunks")
+          f"{chunks} chunks, chunk programs {'compiled by Inductor (the first step includes compilation)' if compile else 'run eagerly'}")
     report = {"losses": []}
     for step in range(steps):
         x, y = sample_batch(corpus, batch, seq_len, gen)
@@ -106,8 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--size", default="small", choices=["tiny", "small", "bench"], help="model preset")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="run the chunk programs op by op instead of compiling them with Inductor")
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.steps, args.seq_len, args.chunks, args.batch, args.size, args.lr, args.seed)
+    run(args.steps, args.seq_len, args.chunks, args.batch, args.size, args.lr, args.seed, args.compile)
     return 0

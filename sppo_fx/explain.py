@@ -22,7 +22,7 @@ def signature(gm: fx.GraphModule, name: str, max_items: int = 12) -> str:
     return f"{name}({short(ins)})\n    -> ({short(outs)})"
 
 
-def explain(captured: Captured, program: ChunkedProgram, plan: Plan | None) -> str:
+def explain(captured: Captured, program: ChunkedProgram, plan: Plan | None, compiled=None) -> str:
     """The text of `SppoCompiled.explain()`."""
     lo, hi = captured.seq_range
     lines = [f"sppo_fx: {type(captured.module.model).__name__}; sequence length {captured.seq} "
@@ -46,4 +46,12 @@ def explain(captured: Captured, program: ChunkedProgram, plan: Plan | None) -> s
               signature(program.prologue, "prologue"),
               signature(program.chunk, "chunk"),
               signature(program.epilogue, "epilogue")]
+    lines.append("")
+    if compiled is None:
+        lines.append("Codegen: off (compile=False): the chunk program runs op by op as an FX graph")
+    else:
+        files = compiled.generated_code()
+        lines.append(f"Codegen: Inductor, {compiled.stats.compiles} compile(s) of the chunk program; "
+                     f"generated code ({len(files)} modules, forward and backward):")
+        lines += [f"    {f}" for f in files] or ["    (not compiled yet: runs on the first call)"]
     return "\n".join(lines)

@@ -45,8 +45,9 @@ class ChunkedRun:
     """One forward/backward of a ChunkedProgram over one plan (holds the per-chunk graphs)."""
 
     def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], inputs: list[torch.Tensor],
-                 plan: Plan, needs_grad: bool):
+                 plan: Plan, needs_grad: bool, chunk_fn=None):
         self.program, self.plan, self.inputs = program, plan, inputs
+        self.chunk_fn = chunk_fn if chunk_fn is not None else program.chunk
         self.needs_grad = needs_grad
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
         self.params = [p.detach().requires_grad_() if i in self.grad_index else p.detach()
@@ -81,7 +82,7 @@ class ChunkedRun:
                 slices = [b if spec.seq_dim is None else b.narrow(spec.seq_dim, start, end - start)
                           for spec, b in zip(prog.boundaries, boundary)]
                 prefix = self._prefix(i, device)
-                outs = prog.chunk(*self.params, *slices, *prefix, start, end - start)
+                outs = self.chunk_fn(*self.params, *slices, *prefix, start, end - start)
                 self.states.append(_ChunkState(list(outs[:n_part]), list(outs[n_part:]), prefix))
             totals = []
             for k in range(n_part):
@@ -140,7 +141,7 @@ class ChunkedRun:
 
 
 def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: list[torch.Tensor],
-                 plan: Plan) -> torch.Tensor:
+                 plan: Plan, chunk_fn=None) -> torch.Tensor:
     """Run the chunk programs over `plan`; the result backpropagates into `params`.
 
     Args:
@@ -148,13 +149,15 @@ def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: li
         params: tensors for the program's parameter placeholders, in order.
         inputs: the flat user input tensors (full sequence).
         plan: the chunk partition.
+        chunk_fn: what runs the chunk program (default: the GraphModule itself, eagerly;
+            `codegen.CompiledProgram` for Inductor).
 
     Returns:
         The scalar loss (equal to the eager model's on the full sequence).
     """
     grad_params = [p for p in params if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and bool(grad_params)
-    run = ChunkedRun(program, params, inputs, plan, needs_grad)
+    run = ChunkedRun(program, params, inputs, plan, needs_grad, chunk_fn)
     if not needs_grad:
         return run.forward()
     return _ChunkedLoss.apply(run, *grad_params)
