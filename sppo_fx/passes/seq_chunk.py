@@ -87,19 +87,50 @@ class Boundary:
 
 
 @dataclasses.dataclass
+class Activation:
+    """A per-chunk tensor exchanged with a neighbouring pipeline stage.
+
+    Attributes:
+        name: the placeholder (received) or node (sent) name.
+        shape: sizes as sympy expressions of the sequence symbol, which stands for the
+            chunk length here.
+        dtype: element type.
+        seq: the sequence symbol.
+    """
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    seq: sympy.Symbol
+
+    def concrete_shape(self, chunk_len: int) -> tuple[int, ...]:
+        """The shape for a chunk of `chunk_len` tokens."""
+        return tuple(int(sympy.sympify(e).subs(self.seq, chunk_len)) for e in self.shape)
+
+    @classmethod
+    def of(cls, node: fx.Node, seq) -> "Activation":
+        val = node.meta["val"]
+        shape = tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in val.shape)
+        return cls(node.name, shape, val.dtype, seq)
+
+
+@dataclasses.dataclass
 class ChunkedProgram:
     """The three graphs the runtime runs, and how to feed them.
 
     Attributes:
         prologue: (seq_len, *user_inputs) -> boundary values.
-        chunk: (*params, *boundary slices, *k/v prefixes, chunk_start, chunk_len)
-            -> (*partials, *[k, v] per attention site).
-        epilogue: (seq_len, *epilogue_params, *partial totals) -> loss.
+        chunk: (*params, *boundary slices, *received activations, *k/v prefixes,
+            chunk_start, chunk_len) -> (*partials, *sent activations, *[k, v] per attention site).
+        epilogue: (seq_len, *epilogue_params, *partial totals) -> loss; None for a pipeline
+            stage that does not compute the loss.
         params: parameter/buffer/constant placeholder names the chunk program takes, in order.
         epilogue_params: those the epilogue takes (usually none), in order.
         boundaries: the prologue outputs, in chunk-program order.
         attention: attention sites, in chunk-program K/V order.
         reductions: reduction sites; partials are (sum[, count]) per site in this order.
+        recvs: activations received from the previous pipeline stage, per chunk.
+        sends: activations sent to the next pipeline stage, per chunk.
     """
 
     prologue: fx.GraphModule
@@ -110,6 +141,8 @@ class ChunkedProgram:
     boundaries: list[Boundary]
     attention: list[AttentionSite]
     reductions: list[ReductionSite]
+    recvs: list[Activation] = dataclasses.field(default_factory=list)
+    sends: list[Activation] = dataclasses.field(default_factory=list)
 
     @property
     def num_partials(self) -> int:
@@ -258,7 +291,7 @@ def _reduction_partials(b: _Builder, node: fx.Node) -> tuple[str, list]:
 
 
 def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
-                  input_names: list[str]) -> ChunkedProgram:
+                  input_names: list[str], activations: list[str] = ()) -> ChunkedProgram:
     """Split an analysed graph (`seqdim.analyse` ran on it) into prologue, chunk, epilogue.
 
     Args:
@@ -266,6 +299,7 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
         seq: the sequence-length symbol.
         param_names: placeholders bound to parameters/buffers/constants, in graph order.
         input_names: placeholders of the flat user inputs, in order.
+        activations: placeholders receiving activations from the previous pipeline stage.
 
     Returns:
         The `ChunkedProgram`. Raises `SppoError` when an input-derived value cannot be
@@ -285,9 +319,17 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
         stack.extend(n.all_input_nodes)
     epilogue_set = {n for n in nodes if role.get(n) == "epilogue"}
     reductions = [n for n in nodes if role.get(n) == "reduction"]
-    if not reductions:
+    out_node = next(n for n in nodes if n.op == "output")
+    outputs = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+    loss_outputs = [o for o in outputs if role.get(o) in ("reduction", "epilogue")]
+    send_nodes = [o for o in outputs if o not in loss_outputs]
+    if not loss_outputs and not send_nodes or (loss_outputs and not reductions):
         raise SppoError("the loss is not a reduction over the sequence (sum, mean or cross-entropy); "
                         "sppo_fx needs a loss that sums or averages over tokens")
+    for o in send_nodes:
+        if not isinstance(o, fx.Node) or not _info(o).seq_dims:
+            raise SppoError(f"stage output {o} has no sequence dim; a pipeline stage may only hand "
+                            "per-token activations to the next stage")
 
     # Values that cross from the prologue / user inputs into the per-chunk region.
     boundaries: list[fx.Node] = []
@@ -325,6 +367,9 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
         cb.env[by_name[name]] = cb.placeholder(name, by_name[name])
     for a in boundaries:
         cb.env[a] = cb.placeholder(f"chunk_{a.name}", a)
+    recv_nodes = [by_name[name] for name in activations]
+    for a in recv_nodes:
+        cb.env[a] = cb.placeholder(a.name, a)
     sites = [n for n in nodes if role.get(n) == "attention"]
     prefixes = {}
     for s in sites:
@@ -357,7 +402,7 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
             red_sites.append(ReductionSite(n.name, op, source_line(n), len(parts) == 2))
         else:
             cb.copy(n)
-    chunk = cb.finish(partials + kv_out)
+    chunk = cb.finish(partials + [cb.get(o) for o in send_nodes] + kv_out)
     # Drop boundary inputs the chunk program does not read (their consumers were dead).
     used = {p.name for p in chunk.graph.nodes if p.op == "placeholder" and p.users}
     for p in list(chunk.graph.nodes):
@@ -372,7 +417,18 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
     prologue.recompile()
     chunk.recompile()
 
-    # Epilogue: from the partial totals to the loss.
+    epilogue, epilogue_params = None, []
+    if loss_outputs:
+        epilogue, epilogue_params = _epilogue(nodes, by_name, seq, param_names, reductions, red_sites,
+                                              epilogue_set, loss_outputs[0])
+    return ChunkedProgram(prologue=prologue, chunk=chunk, epilogue=epilogue, params=list(param_names),
+                          epilogue_params=epilogue_params, boundaries=boundary_specs, attention=attention,
+                          reductions=red_sites, recvs=[Activation.of(a, seq) for a in recv_nodes],
+                          sends=[Activation.of(o, seq) for o in send_nodes])
+
+
+def _epilogue(nodes, by_name, seq, param_names, reductions, red_sites, epilogue_set, loss):
+    """The epilogue graph: (seq_len, *params it reads, *partial totals) -> loss."""
     eb = _Builder(seq, "seq_len")
     eb.length = eb.placeholder("seq_len")
     for name in param_names:
@@ -387,15 +443,9 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
     for n in nodes:
         if n in epilogue_set:
             eb.get(n, lazy=True)
-    out_node = next(n for n in nodes if n.op == "output")
-    outputs = out_node.args[0]
-    loss = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
     epilogue = eb.finish([eb.get(loss, lazy=True)])
     for p in list(epilogue.graph.nodes):
         if p.op == "placeholder" and p.name in param_names and not p.users:
             epilogue.graph.erase_node(p)
     epilogue.recompile()
-    epilogue_params = [p.name for p in epilogue.graph.nodes if p.op == "placeholder" and p.name in param_names]
-    return ChunkedProgram(prologue=prologue, chunk=chunk, epilogue=epilogue, params=list(param_names),
-                          epilogue_params=epilogue_params, boundaries=boundary_specs, attention=attention,
-                          reductions=red_sites)
+    return epilogue, [p.name for p in epilogue.graph.nodes if p.op == "placeholder" and p.name in param_names]

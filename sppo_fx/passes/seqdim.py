@@ -246,8 +246,10 @@ def loss_reduction(node: fx.Node) -> int:
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
 
 
-def _origin(node: fx.Node, kinds: dict, param_names: set[str], seq) -> frozenset:
+def _origin(node: fx.Node, kinds: dict, param_names: set[str], seq, activations: set[str]) -> frozenset:
     if node.op == "placeholder":
+        if node.name in activations:  # received from the previous pipeline stage
+            return frozenset({PARAM, INPUT})
         return frozenset({PARAM}) if node.name in param_names else frozenset({INPUT})
     if node.op == "get_attr":
         return frozenset({PARAM})
@@ -281,24 +283,27 @@ def is_causal_sdpa(node: fx.Node) -> bool:
     return attn_mask is None and bool(is_causal)
 
 
-def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str]) -> dict[str, SeqInfo]:
+def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
+            activations: Iterable[str] = ()) -> dict[str, SeqInfo]:
     """Classify every node of `gm` (see the module docstring) and store it in node.meta.
 
     Args:
         gm: the captured graph (after `recognize_causal_masks`).
         seq: the sympy symbol of the sequence length.
         param_names: names of placeholders that hold parameters, buffers or constants.
+        activations: placeholders that receive activations from an earlier pipeline stage
+            (classified as data).
 
     Returns:
         {node name: SeqInfo}. Raises `SppoError` for a node that mixes positions and
         cannot be made exact per chunk.
     """
-    param_names = set(param_names)
+    param_names, activations = set(param_names), set(activations)
     infos: dict[fx.Node, SeqInfo] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        origin = _origin(node, infos, param_names, seq)
+        origin = _origin(node, infos, param_names, seq, activations)
         kind = _kind(node, origin)
         info = SeqInfo(kind=kind, origin=origin, seq_dims=seq_dims_of(node.meta.get("val"), seq))
         infos[node] = info

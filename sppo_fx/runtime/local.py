@@ -1,17 +1,21 @@
-"""Single-process executor: chunk forwards 0..N-1, then chunk backwards N-1..0.
-
-`chunked_loss(program, params, inputs, plan)` returns a scalar loss whose backward fills
-the parameters' `.grad` as the eager model would on the full sequence:
+"""Executors of chunk programs: per-chunk forward/backward (`StageRunner`) and the
+single-process run of a whole model (`chunked_loss`).
 
     forward   prologue(full inputs)
-              for i in 0..N-1:  chunk_i(params, slices_i, K/V prefix = K/V of chunks < i)
-              epilogue(sum of partials over chunks)          -> loss
+              for i in 0..N-1:  chunk_i(params, slices_i, recv_i, K/V prefix = K/V of chunks < i)
+                                -> partials_i, sends_i, K_i/V_i
+              epilogue(sum of partials over chunks)          -> loss          (last stage)
     backward  epilogue'                                      -> d partials
-              for i in N-1..0:  chunk_i'(d partials, dK_i, dV_i accumulated from chunks > i)
-                                -> d params (summed), d prefix (split and added to dK_j, dV_j, j < i)
+              for i in N-1..0:  chunk_i'(d partials, d sends_i, dK_i, dV_i accumulated from
+                                chunks > i) -> d params (summed), d recv_i,
+                                d prefix (split and added to dK_j, dV_j, j < i)
 
-Each chunk keeps its own autograd graph; the K/V prefix enters it as a detached leaf, so
-chunk j's backward runs only after every later chunk has contributed to dK_j, dV_j.
+Each chunk keeps its own autograd graph; its K/V prefix and received activations enter it
+as detached leaves, so chunk j's backward runs only after every later chunk has
+contributed to dK_j, dV_j. A `StageRunner` does this for one pipeline stage and any
+number of micro-batches; the distributed executor drives one per rank, and
+`chunked_loss` drives one for the whole model inside an autograd.Function so that
+`loss.backward()` fills the parameters' `.grad` as eager would.
 """
 from __future__ import annotations
 
@@ -22,122 +26,186 @@ from sppo_fx.plan import Plan
 
 
 class _ChunkState:
-    __slots__ = ("partials", "kv", "prefix")
+    __slots__ = ("partials", "sends", "kv", "prefix", "recvs")
 
-    def __init__(self, partials, kv, prefix):
-        self.partials, self.kv, self.prefix = partials, kv, prefix
-
-
-class _ChunkedLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run, *grad_params):
-        ctx.run = run
-        return run.forward()
-
-    @staticmethod
-    def backward(ctx, grad):
-        run = ctx.run
-        ctx.run = None
-        return (None, *run.backward(grad))
+    def __init__(self, partials, sends, kv, prefix, recvs):
+        self.partials, self.sends, self.kv, self.prefix, self.recvs = partials, sends, kv, prefix, recvs
 
 
-class ChunkedRun:
-    """One forward/backward of a ChunkedProgram over one plan (holds the per-chunk graphs)."""
+class _MicroBatch:
+    def __init__(self, boundary):
+        self.boundary = boundary
+        self.states: dict[int, _ChunkState] = {}
+        self.kv_grads: dict[int, list] = {}
+        self.totals = None
+        self.loss = None
+        self.total_grads = None
 
-    def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], inputs: list[torch.Tensor],
-                 plan: Plan, needs_grad: bool, chunk_fn=None):
-        self.program, self.plan, self.inputs = program, plan, inputs
+
+class StageRunner:
+    """Runs one stage's chunk program, chunk by chunk, for several micro-batches.
+
+    Args:
+        program: the stage's ChunkedProgram.
+        params: tensors for the program's parameter placeholders, in order.
+        plan: the chunk partition of every micro-batch.
+        chunk_fn: what runs the chunk program (the GraphModule, or an Inductor-compiled one).
+        needs_grad: build autograd graphs (False for evaluation).
+    """
+
+    def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], plan: Plan, chunk_fn=None,
+                 needs_grad: bool = True):
+        self.program, self.plan = program, plan
         self.chunk_fn = chunk_fn if chunk_fn is not None else program.chunk
         self.needs_grad = needs_grad
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
         self.params = [p.detach().requires_grad_() if i in self.grad_index else p.detach()
                        for i, p in enumerate(params)]
-        self.states: list[_ChunkState | None] = []
-        self.totals = []
-        self.loss = None
+        self.param_grads: list[torch.Tensor | None] = [None] * len(self.grad_index)
+        self.microbatches: dict[int, _MicroBatch] = {}
+        index = {name: k for k, name in enumerate(program.params)}
+        self._epilogue_params = [self.params[index[name]] for name in program.epilogue_params]
 
     @property
-    def grad_leaves(self):
+    def grad_leaves(self) -> list[torch.Tensor]:
         return [self.params[i] for i in self.grad_index]
 
-    def _prefix(self, i: int, device) -> list[torch.Tensor]:
+    def _add_param_grads(self, grads):
+        for k, g in enumerate(grads):
+            if g is not None:
+                self.param_grads[k] = g if self.param_grads[k] is None else self.param_grads[k] + g
+
+    # ---- forward ----------------------------------------------------------------------
+    def start(self, mb: int, inputs: list[torch.Tensor]):
+        """Run the prologue of micro-batch `mb` on its full-sequence inputs."""
+        with torch.no_grad():
+            boundary = self.program.prologue(self.plan.seq_len, *inputs)
+        self.microbatches[mb] = _MicroBatch(boundary)
+
+    def _prefix(self, mb: _MicroBatch, i: int) -> list[torch.Tensor]:
         prefix = []
+        device = self.params[0].device if self.params else None
         for j, site in enumerate(self.program.attention):
             for which, shape in ((0, site.k_shape), (1, site.v_shape)):
                 if i == 0:
                     t = torch.empty(shape, dtype=site.dtype, device=device)
                 else:
-                    t = torch.cat([self.states[m].kv[2 * j + which].detach() for m in range(i)], dim=-2)
+                    t = torch.cat([mb.states[m].kv[2 * j + which].detach() for m in range(i)], dim=-2)
                 prefix.append(t.requires_grad_(self.needs_grad))
         return prefix
 
-    def forward(self) -> torch.Tensor:
-        prog, plan = self.program, self.plan
-        device = self.inputs[0].device if self.inputs else None
-        with torch.no_grad():
-            boundary = prog.prologue(plan.seq_len, *self.inputs)
-        n_part = prog.num_partials
+    def forward(self, mb: int, i: int, recvs: list[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """Forward of chunk `i` of micro-batch `mb`; returns the activations to send (detached)."""
+        prog, m = self.program, self.microbatches[mb]
+        start, end = self.plan.bounds()[i]
+        slices = [b if spec.seq_dim is None else b.narrow(spec.seq_dim, start, end - start)
+                  for spec, b in zip(prog.boundaries, m.boundary)]
+        recv_leaves = [r.detach().requires_grad_(self.needs_grad and r.is_floating_point()) for r in recvs]
+        prefix = self._prefix(m, i)
+        n_part, n_send = prog.num_partials, len(prog.sends)
         with torch.set_grad_enabled(self.needs_grad):
-            for i, (start, end) in enumerate(plan.bounds()):
-                slices = [b if spec.seq_dim is None else b.narrow(spec.seq_dim, start, end - start)
-                          for spec, b in zip(prog.boundaries, boundary)]
-                prefix = self._prefix(i, device)
-                outs = self.chunk_fn(*self.params, *slices, *prefix, start, end - start)
-                self.states.append(_ChunkState(list(outs[:n_part]), list(outs[n_part:]), prefix))
-            totals = []
-            for k in range(n_part):
-                acc = self.states[0].partials[k].detach()
-                for st in self.states[1:]:
-                    acc = acc + st.partials[k].detach()
+            outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
+        outs = list(outs)
+        m.states[i] = _ChunkState(outs[:n_part], outs[n_part:n_part + n_send], outs[n_part + n_send:],
+                                  prefix, recv_leaves)
+        return [t.detach() for t in m.states[i].sends]
+
+    def finish_forward(self, mb: int) -> torch.Tensor:
+        """After every chunk of `mb` ran forward on the last stage: the epilogue -> loss."""
+        m = self.microbatches[mb]
+        totals = []
+        with torch.set_grad_enabled(self.needs_grad):
+            for k in range(self.program.num_partials):
+                acc = m.states[0].partials[k].detach()
+                for i in range(1, len(m.states)):
+                    acc = acc + m.states[i].partials[k].detach()
                 totals.append(acc.requires_grad_(self.needs_grad and acc.is_floating_point()))
-            self.totals = totals
-            index = {name: k for k, name in enumerate(prog.params)}
-            epi_params = [self.params[index[name]] for name in prog.epilogue_params]
-            (self.loss,) = prog.epilogue(plan.seq_len, *epi_params, *totals)
-        return self.loss.detach()
+            (m.loss,) = self.program.epilogue(self.plan.seq_len, *self._epilogue_params, *totals)
+        m.totals = totals
+        return m.loss.detach()
 
-    def backward(self, grad: torch.Tensor) -> list[torch.Tensor | None]:
+    # ---- backward ---------------------------------------------------------------------
+    def backward(self, mb: int, i: int, send_grads: list[torch.Tensor] = (), loss_grad=None
+                 ) -> list[torch.Tensor | None]:
+        """Backward of chunk `i` of micro-batch `mb` (after chunks > i); returns the
+        gradients of the received activations, to send to the previous stage.
+
+        Args:
+            send_grads: gradients of this chunk's sent activations (from the next stage).
+            loss_grad: the loss gradient (last stage; used at the first backward of `mb`).
+        """
+        m = self.microbatches[mb]
         leaves = self.grad_leaves
-        param_grads: list[torch.Tensor | None] = [None] * len(leaves)
+        if m.loss is not None and m.total_grads is None:
+            totals = [t for t in m.totals if t.requires_grad]
+            grad = torch.ones_like(m.loss) if loss_grad is None else loss_grad
+            gs = torch.autograd.grad(m.loss, totals + self._epilogue_grad_leaves(), grad, allow_unused=True)
+            m.total_grads = dict(zip(map(id, totals), gs[:len(totals)]))
+            self._add_param_grads_for(self._epilogue_grad_index(), gs[len(totals):])
+            m.loss = None
+        st = m.states[i]
+        outs, grads = [], []
+        for t, p in zip(m.totals or [], st.partials):
+            g = (m.total_grads or {}).get(id(t))
+            if g is not None and p.requires_grad:
+                outs.append(p)
+                grads.append(g)
+        for t, g in zip(st.sends, send_grads):
+            if g is not None and t.requires_grad:
+                outs.append(t)
+                grads.append(g)
+        for t, g in zip(st.kv, m.kv_grads.pop(i, [None] * len(st.kv))):
+            if g is not None and t.requires_grad:
+                outs.append(t)
+                grads.append(g)
+        prefix = st.prefix if i > 0 else []
+        recvs = [r for r in st.recvs if r.requires_grad]
+        recv_grads: list[torch.Tensor | None] = [None] * len(st.recvs)
+        if outs:
+            gs = torch.autograd.grad(outs, leaves + prefix + recvs, grads, allow_unused=True)
+            self._add_param_grads(gs[:len(leaves)])
+            lengths = self.plan.chunk_lengths[:i]
+            for j, gp in enumerate(gs[len(leaves):len(leaves) + len(prefix)]):
+                if gp is None:
+                    continue
+                for c, part in enumerate(gp.split(lengths, dim=-2)):
+                    acc = m.kv_grads.setdefault(c, [None] * len(st.kv))
+                    acc[j] = part if acc[j] is None else acc[j] + part
+            it = iter(gs[len(leaves) + len(prefix):])
+            recv_grads = [next(it) if r.requires_grad else None for r in st.recvs]
+        del m.states[i]
+        if not m.states:
+            del self.microbatches[mb]
+        return recv_grads
 
-        def add_param_grads(gs):
-            for k, g in enumerate(gs):
-                if g is not None:
-                    param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
+    def _epilogue_grad_index(self) -> list[int]:
+        names = set(self.program.epilogue_params)
+        return [k for k, i in enumerate(self.grad_index) if self.program.params[i] in names]
 
-        totals = [t for t in self.totals if t.requires_grad]
-        gs = torch.autograd.grad(self.loss, totals + leaves, grad, allow_unused=True)
-        total_grads = dict(zip(map(id, totals), gs[:len(totals)]))
-        add_param_grads(gs[len(totals):])
-        self.loss = None
-        lengths = self.plan.chunk_lengths
-        kv_grads: list[list[torch.Tensor | None]] = [[None] * (2 * len(self.program.attention))
-                                                     for _ in lengths]
-        for i in range(len(lengths) - 1, -1, -1):
-            st = self.states[i]
-            outs, grads = [], []
-            for t, p in zip(self.totals, st.partials):
-                g = total_grads.get(id(t))
-                if g is not None and p.requires_grad:
-                    outs.append(p)
-                    grads.append(g)
-            for t, g in zip(st.kv, kv_grads[i]):
-                if g is not None and t.requires_grad:
-                    outs.append(t)
-                    grads.append(g)
-            prefix = st.prefix if i > 0 else []
-            if outs:
-                gs = torch.autograd.grad(outs, leaves + prefix, grads, allow_unused=True)
-                add_param_grads(gs[:len(leaves)])
-                for j, gp in enumerate(gs[len(leaves):]):
-                    if gp is None:
-                        continue
-                    for m, part in enumerate(gp.split(lengths[:i], dim=-2)):
-                        acc = kv_grads[m][j]
-                        kv_grads[m][j] = part if acc is None else acc + part
-            self.states[i] = None
-            kv_grads[i] = None
-        return param_grads
+    def _epilogue_grad_leaves(self) -> list[torch.Tensor]:
+        return [self.grad_leaves[k] for k in self._epilogue_grad_index()]
+
+    def _add_param_grads_for(self, ks, grads):
+        for k, g in zip(ks, grads):
+            if g is not None:
+                self.param_grads[k] = g if self.param_grads[k] is None else self.param_grads[k] + g
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner, n_chunks, *grad_params):
+        ctx.runner, ctx.n_chunks = runner, n_chunks
+        for i in range(n_chunks):
+            runner.forward(0, i)
+        return runner.finish_forward(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        runner = ctx.runner
+        ctx.runner = None
+        for i in range(ctx.n_chunks - 1, -1, -1):
+            runner.backward(0, i, loss_grad=grad)
+        return (None, None, *runner.param_grads)
 
 
 def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -145,7 +213,7 @@ def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: li
     """Run the chunk programs over `plan`; the result backpropagates into `params`.
 
     Args:
-        program: the prologue/chunk/epilogue graphs.
+        program: the prologue/chunk/epilogue graphs (a whole model: no pipeline stages).
         params: tensors for the program's parameter placeholders, in order.
         inputs: the flat user input tensors (full sequence).
         plan: the chunk partition.
@@ -157,7 +225,10 @@ def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: li
     """
     grad_params = [p for p in params if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and bool(grad_params)
-    run = ChunkedRun(program, params, inputs, plan, needs_grad, chunk_fn)
+    runner = StageRunner(program, params, plan, chunk_fn, needs_grad)
+    runner.start(0, inputs)
     if not needs_grad:
-        return run.forward()
-    return _ChunkedLoss.apply(run, *grad_params)
+        for i in range(plan.num_chunks):
+            runner.forward(0, i)
+        return runner.finish_forward(0)
+    return _ChunkedLoss.apply(runner, plan.num_chunks, *grad_params)
