@@ -60,5 +60,35 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
     return gm, program
 
 
-__all__ = ["transform", "strip_asserts", "recognize_causal_masks", "analyse_seqdims", "chunk_program",
+__all__ = ["transform", "transform_stages", "strip_asserts", "recognize_causal_masks", "analyse_seqdims", "chunk_program",
            "ChunkedProgram"]
+
+
+def transform_stages(captured: Captured, num_stages: int, split_points: list[str] | None = None,
+                     log: bool | None = None):
+    """`transform`, then split into pipeline stages and chunk each stage.
+
+    Args:
+        captured: the output of `capture.capture`.
+        num_stages: number of pipeline stages P.
+        split_points: module names to cut before (default: cost-balanced, or the model's
+            `sppo_fx.split_point` markers).
+        log: print each stage's graphs.
+
+    Returns:
+        (the analysed captured graph, [StageGraph], [ChunkedProgram per stage]).
+    """
+    from sppo_fx.passes.stage_split import split_stages
+    log = bool(int(os.environ.get("SPPO_FX_LOG_PASSES", "0"))) if log is None else log
+    gm, whole = transform(captured, log=log)
+    params = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in captured.param_fqns]
+    stages = split_stages(gm, captured.seq, params, captured.input_names, num_stages, split_points)
+    programs = []
+    for st in stages:
+        analyse(st.graph, captured.seq, captured.param_fqns.keys(), st.recvs)
+        used = [n.name for n in st.graph.graph.nodes if n.op == "placeholder" and n.name in captured.param_fqns]
+        programs.append(chunk_program(st.graph, captured.seq, used, captured.input_names, st.recvs))
+        if log:
+            print(f"---- stage {st.index}: blocks {st.blocks} ----")
+            print(programs[-1].chunk.code)
+    return gm, stages, programs

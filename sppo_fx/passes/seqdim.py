@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.errors import SppoError, describe_node
+from sppo_fx.markers import SPLIT_POINT
 
 aten = torch.ops.aten
 
@@ -55,6 +56,7 @@ _LAYOUT_OPS = {
     aten.unflatten.int, aten.expand_as.default, aten.view_as.default, aten.reshape_as.default,
     aten.dropout.default, aten.embedding.default, aten.stack.default,
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+    SPLIT_POINT,
 }
 _MATMUL_OPS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
                aten.addmm.default, aten.baddbmm.default, aten.outer.default}
