@@ -47,6 +47,11 @@ class CompileOptions:
         log_passes: print each graph after its pass.
         compile: compile the chunk programs with Inductor (False runs the FX graphs eagerly,
             for debugging).
+        stages: pipeline stages P (one per rank under torchrun).
+        microbatches: micro-batches per step (the batch is split along dim 0).
+        schedule: "1f1b" (chunk-level 1F1B) or "gpipe".
+        split_points: module names where stages start (default: cost-balanced).
+        timeout_s: how long a rank waits for a peer before raising.
     """
 
     loss_fn: Callable | None = None
@@ -56,6 +61,11 @@ class CompileOptions:
     budget: int | str | None = None
     log_passes: bool | None = None
     compile: bool = True
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    split_points: list[str] | None = None
+    timeout_s: float = 60.0
 
 
 @dataclasses.dataclass
@@ -78,6 +88,7 @@ class SppoCompiled:
         self._cache: dict = {}
         self._last: _Entry | None = None
         self.plan: Plan | None = None
+        self.pipeline = None
 
     # ---- planning -------------------------------------------------------------------
     def plan_for(self, seq_len: int) -> Plan:
@@ -94,6 +105,9 @@ class SppoCompiled:
 
     # ---- calling --------------------------------------------------------------------
     def __call__(self, *args, target=None, **kwargs):
+        if self.options.stages > 1:
+            raise SppoError(f"a model compiled with stages={self.options.stages} runs as a pipeline: call "
+                            "compiled.step(...) on every rank (it does forward and backward)")
         if self._fn is not None:
             if not args or not isinstance(args[0], torch.nn.Module):
                 raise SppoError("a function compiled with @sppo_fx.compile is called as "
@@ -113,6 +127,43 @@ class SppoCompiled:
         self.plan = plan
         params = [cap.param_value(name) for name in entry.program.params]
         return chunked_loss(entry.program, params, tensors, plan, entry.compiled_chunk)
+
+    def step(self, *args, target=None, **kwargs) -> torch.Tensor:
+        """Forward and backward of one training step; returns the loss (detached).
+
+        With stages == 1 this is `loss = compiled(...); loss.backward()` (per micro-batch,
+        each scaled by 1/microbatches). With stages > 1 it runs this rank's pipeline stage
+        under the schedule; every rank returns the loss, and each parameter's gradient is
+        accumulated into `.grad` on the ranks whose stage uses it.
+        """
+        from sppo_fx.runtime.pipeline import build_pipeline, pipeline_step, require_world, split_microbatches
+        o = self.options
+        model = self._model
+        if self._fn is not None:
+            model, args = args[0], args[1:]
+        mbs = split_microbatches(args, kwargs, target, o.microbatches)
+        if o.stages == 1:
+            total = 0.0
+            for a, k, t in mbs:
+                call_args = (model, *a) if self._fn is not None else a
+                loss = self(*call_args, target=t, **k)
+                (loss / o.microbatches).backward()
+                total = total + loss.detach()
+            return total / o.microbatches
+        rank, world = require_world(o.stages)
+        leaves, _spec, slots = flatten_call(*mbs[0])
+        tensors = [leaves[i] for i in slots]
+        seq_len = next(t.shape[o.seq_dim] for t in tensors if t.dim() > o.seq_dim)
+        plan = self.plan_for(seq_len)
+        key = ("pipeline", id(model), tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(plan.chunk_lengths))
+        state = self._cache.get(key)
+        if state is None:
+            factory = compile_chunk_program if o.compile else None
+            state = build_pipeline(model, self._fn, o, mbs, plan, rank, world, factory)
+            self._cache[key] = state
+        self.plan = plan
+        self.pipeline = state
+        return pipeline_step(state, mbs)
 
     def _entry(self, model, args, kwargs, target, leaves, spec, slots, tensors) -> _Entry:
         seq_dim = self.options.seq_dim
@@ -168,7 +219,8 @@ class SppoCompiled:
 
 
 def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,
-            log_passes=None, compile=True):  # noqa: A002 - the option is named as torch.compile
+            log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
+            split_points=None, timeout_s=60.0):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -182,6 +234,12 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         log_passes: print each graph after its pass.
         compile: compile the chunk program with Inductor (C++ on CPU, Triton on GPU);
             False runs the FX graphs op by op, for debugging.
+        stages: pipeline stages, one per rank (launch with torchrun; use `.step(...)`).
+        microbatches: micro-batches per `.step` (the batch is split along dim 0).
+        schedule: "1f1b" (chunk-level 1F1B) or "gpipe".
+        split_points: module names where stages start, e.g. ["layers.4"] (default:
+            cost-balanced, or the model's `sppo_fx.split_point` markers).
+        timeout_s: seconds a rank waits for a peer before raising SppoError.
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -193,7 +251,9 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
     if chunk_lengths is not None:
         chunk_lengths = [int(c) for c in chunk_lengths]
     options = CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths,
-                             seq_dim=seq_dim, budget=budget, log_passes=log_passes, compile=compile)
+                             seq_dim=seq_dim, budget=budget, log_passes=log_passes, compile=compile,
+                             stages=int(stages), microbatches=int(microbatches), schedule=schedule,
+                             split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s))
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

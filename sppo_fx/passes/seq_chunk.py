@@ -421,6 +421,16 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
     if loss_outputs:
         epilogue, epilogue_params = _epilogue(nodes, by_name, seq, param_names, reductions, red_sites,
                                               epilogue_set, loss_outputs[0])
+    # Parameters neither program reads (e.g. another pipeline stage's) are not inputs.
+    needed = set(epilogue_params)
+    for ph in list(chunk.graph.nodes):
+        if ph.op == "placeholder" and ph.name in param_names:
+            if ph.users or ph.name in needed:
+                needed.add(ph.name)
+            else:
+                chunk.graph.erase_node(ph)
+    chunk.recompile()
+    param_names = [name for name in param_names if name in needed]
     return ChunkedProgram(prologue=prologue, chunk=chunk, epilogue=epilogue, params=list(param_names),
                           epilogue_params=epilogue_params, boundaries=boundary_specs, attention=attention,
                           reductions=red_sites, recvs=[Activation.of(a, seq) for a in recv_nodes],

@@ -1,0 +1,247 @@
+"""Pipeline executor: one stage per rank, driven by a schedule (runtime/schedule.py).
+
+Each rank runs its own action list:
+
+    F     StageRunner.forward of (micro-batch, chunk); on the last stage, after the last
+          chunk of a micro-batch, its epilogue (the loss)
+    B     StageRunner.backward (reverse chunk order within a micro-batch)
+    SEND_F / RECV_F   activations to / from the neighbouring stage (isend / irecv)
+    SEND_B / RECV_B   their gradients
+
+Shapes come from the plan (chunk lengths) and the stage programs, so no shape handshake
+happens per step. Tags encode (direction, micro-batch, chunk, tensor) so sends and receives
+pair up exactly. Every wait has a timeout: a dead or failing rank makes its peers raise
+`SppoError` instead of hanging (a failing rank records its error in the rendezvous store,
+then closes its connections, so the error propagates along the pipeline).
+
+At start, ranks exchange a fingerprint (parameters, plan, schedule) and refuse to run
+when they disagree, saying what differs.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+
+from sppo_fx.errors import SppoError
+from sppo_fx.passes.seq_chunk import ChunkedProgram
+from sppo_fx.plan import Plan
+from sppo_fx.runtime.local import StageRunner
+from sppo_fx.runtime.schedule import ActionKind, Schedule
+
+DEFAULT_TIMEOUT_S = 60.0
+_ERROR_KEY = "sppo_fx/error"
+_TAG_SHARED = 1 << 24  # + parameter index: tied-parameter gradients
+_TAG_LOSS = 1 << 25
+
+
+def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU).
+
+    Returns:
+        (rank, world size).
+    """
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def fingerprint(program: ChunkedProgram, param_shapes: dict[str, tuple], plan: Plan, schedule: Schedule,
+                microbatch_shapes: list) -> dict[str, str]:
+    """What every rank must agree on, as short digests."""
+    def digest(obj) -> str:
+        return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return {
+        "model parameters": digest(sorted((k, list(v)) for k, v in param_shapes.items())),
+        "plan (chunk lengths)": digest(plan.chunk_lengths),
+        "schedule": digest(str(schedule)),
+        "micro-batch input shapes": digest(microbatch_shapes),
+    }
+
+
+def check_agreement(local: dict[str, str], rank: int, world: int):
+    """All-gather fingerprints; raise SppoError naming what differs between ranks."""
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, local)
+    diffs = [k for k in local if len({g[k] for g in gathered}) > 1]
+    if diffs:
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}={g[k]}" for r, g in enumerate(gathered)) for k in diffs)
+        raise SppoError(f"ranks disagree on {', '.join(diffs)} ({detail}). Every rank must build the same "
+                        "model, inputs shapes, plan and schedule")
+
+
+class PipelineExecutor:
+    """Runs one rank's stage of a pipeline schedule.
+
+    Args:
+        program: this rank's stage program.
+        params: tensors for the program's parameter placeholders (the user's parameters).
+        plan: chunk partition of every micro-batch.
+        schedule: the per-rank action lists.
+        rank / world: this rank and the number of stages.
+        chunk_fn: what runs the chunk program (eager GraphModule or Inductor-compiled).
+        timeout_s: the longest wait for a peer before raising.
+        shared: for parameters used by several stages (tied embeddings),
+            {local param index: (global id, [ranks using it])}.
+    """
+
+    def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], plan: Plan, schedule: Schedule,
+                 rank: int, world: int, chunk_fn=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 shared: dict[int, tuple[int, list[int]]] | None = None):
+        self.program, self.params, self.plan, self.schedule = program, params, plan, schedule
+        self.rank, self.world, self.chunk_fn, self.timeout_s = rank, world, chunk_fn, timeout_s
+        self.shared = shared or {}
+        self.M, self.N = schedule.num_microbatches, schedule.num_chunks
+        self.is_first, self.is_last = rank == 0, rank == world - 1
+        self._sends: list = []
+
+    # ---- point-to-point with timeouts --------------------------------------------------
+    def _tag(self, direction: int, mb: int, chunk: int, index: int) -> int:
+        return ((direction * self.M + mb) * self.N + chunk) * 64 + index
+
+    def _isend(self, tensors, peer, direction, mb, chunk):
+        for k, t in enumerate(tensors):
+            t = t.contiguous()
+            self._sends.append((dist.isend(t, peer, tag=self._tag(direction, mb, chunk, k)), t, peer))
+
+    def _irecv(self, specs, peer, direction, mb, chunk):
+        c = self.plan.chunk_lengths[chunk]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        bufs = [torch.empty(a.concrete_shape(c), dtype=a.dtype, device=device) for a in specs]
+        works = [dist.irecv(b, peer, tag=self._tag(direction, mb, chunk, k)) for k, b in enumerate(bufs)]
+        return bufs, works, peer
+
+    def _wait(self, work, peer: int, what: str):
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001 - turned into a clear error below
+            raise SppoError(f"rank {self.rank}: {what} from rank {peer} failed or timed out after "
+                            f"{self.timeout_s:.0f} s ({self._peer_error() or type(e).__name__ + ': ' + str(e).splitlines()[0]})") from e
+
+    def _peer_error(self) -> str | None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if store.check([_ERROR_KEY]):
+                return store.get(_ERROR_KEY).decode()
+        except Exception:  # noqa: BLE001 - the store may be gone with the failed rank
+            return None
+        return None
+
+    def _received(self, pending, what):
+        bufs, works, peer = pending
+        for w in works:
+            self._wait(w, peer, what)
+        return bufs
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self, microbatch_inputs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of all micro-batches; accumulates gradients into the user's
+        parameters' `.grad` and returns the loss (mean over micro-batches) on every rank."""
+        try:
+            return self._step(microbatch_inputs)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _fail(self, error: BaseException):
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if not store.check([_ERROR_KEY]):
+                store.set(_ERROR_KEY, f"rank {self.rank} raised {type(error).__name__}: {error}".splitlines()[0])
+        except Exception:  # noqa: BLE001
+            pass
+        try:  # closing our connections makes peers blocked on us fail now, not at their timeout
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _step(self, microbatch_inputs):
+        runner = StageRunner(self.program, self.params, self.plan, self.chunk_fn, needs_grad=True)
+        for m, inputs in enumerate(microbatch_inputs):
+            runner.start(m, inputs)
+        recv_f, recv_b, out_f, out_b, losses = {}, {}, {}, {}, {}
+        loss_grad = torch.tensor(1.0 / self.M)
+        for a in self.schedule.actions[self.rank]:
+            key = (a.microbatch, a.chunk)
+            m, i = key
+            if a.kind is ActionKind.F:
+                recvs = self._received(recv_f.pop(key), f"activation of micro-batch {m} chunk {i}") \
+                    if not self.is_first else []
+                out_f[key] = runner.forward(m, i, recvs)
+                if self.is_last and i == self.N - 1:
+                    losses[m] = runner.finish_forward(m)
+            elif a.kind is ActionKind.SEND_F:
+                self._isend(out_f.pop(key), self.rank + 1, 0, m, i)
+            elif a.kind is ActionKind.RECV_F:
+                recv_f[key] = self._irecv(self.program.recvs, self.rank - 1, 0, m, i)
+            elif a.kind is ActionKind.B:
+                grads = self._received(recv_b.pop(key), f"gradient of micro-batch {m} chunk {i}") \
+                    if not self.is_last else []
+                rg = runner.backward(m, i, grads, loss_grad=loss_grad.to(self._device()))
+                out_b[key] = [g if g is not None else torch.zeros(
+                    a_.concrete_shape(self.plan.chunk_lengths[i]), dtype=a_.dtype, device=self._device())
+                    for g, a_ in zip(rg, self.program.recvs)]
+            elif a.kind is ActionKind.SEND_B:
+                self._isend(out_b.pop(key), self.rank - 1, 1, m, i)
+            elif a.kind is ActionKind.RECV_B:
+                recv_b[key] = self._irecv(self.program.sends, self.rank + 1, 1, m, i)
+            else:
+                raise SppoError(f"action {a} is not supported by this executor (offload actions need a "
+                                "budget plan)")
+        for work, _t, peer in self._sends:
+            self._wait(work, peer, "send")
+        self._sends.clear()
+        grads = runner.param_grads
+        self._reduce_shared(runner, grads)
+        for k, idx in enumerate(runner.grad_index):
+            p, g = self.params[idx], grads[k]
+            if g is None:
+                continue
+            p.grad = g.to(p.dtype) if p.grad is None else p.grad + g
+        loss = torch.stack(list(losses.values())).mean() if self.is_last else torch.empty((), dtype=torch.float32)
+        return self._broadcast_loss(loss)
+
+    def _device(self):
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def _reduce_shared(self, runner, grads):
+        """Sum the gradients of parameters that several stages use (e.g. tied embeddings).
+
+        `shared` maps a local parameter index to (global id, ranks using it); every exchange
+        is posted before any wait, so ranks need not agree on an order.
+        """
+        pending = []
+        for idx, (gid, ranks) in sorted(self.shared.items(), key=lambda kv: kv[1][0]):
+            k = runner.grad_index.index(idx) if idx in runner.grad_index else None
+            if k is None:
+                continue
+            mine = grads[k] if grads[k] is not None else torch.zeros_like(self.params[idx])
+            mine = mine.contiguous()
+            for peer in ranks:
+                if peer != self.rank:
+                    self._sends.append((dist.isend(mine, peer, tag=_TAG_SHARED + gid), mine, peer))
+                    buf = torch.empty_like(mine)
+                    pending.append((k, dist.irecv(buf, peer, tag=_TAG_SHARED + gid), buf, peer))
+            grads[k] = mine.clone()
+        for k, work, buf, peer in pending:
+            self._wait(work, peer, "tied-parameter gradient")
+            grads[k] += buf
+        for work, _t, peer in self._sends:
+            self._wait(work, peer, "send")
+        self._sends.clear()
+
+    def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        last = self.world - 1
+        loss = loss.detach().reshape(()).to(torch.float32).cpu() if self.is_last else torch.empty(())
+        if self.is_last:
+            works = [(dist.isend(loss, r, tag=_TAG_LOSS), r) for r in range(self.world - 1)]
+            for w, r in works:
+                self._wait(w, r, "loss send")
+            return loss
+        w = dist.irecv(loss, last, tag=_TAG_LOSS)
+        self._wait(w, last, "loss")
+        return loss

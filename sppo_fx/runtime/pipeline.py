@@ -1,0 +1,114 @@
+"""Set-up of a pipeline step for `SppoCompiled.step` with stages > 1.
+
+Every rank captures the same model on the same (micro-batch) shapes, runs the same passes
+and splits it into the same stages, so all ranks know every stage's program (and hence
+which parameters several stages share) without exchanging graphs; each rank then runs
+its own stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from sppo_fx.capture import Captured, capture, flatten_call
+from sppo_fx.errors import SppoError
+from sppo_fx.passes import transform_stages
+from sppo_fx.passes.seq_chunk import ChunkedProgram
+from sppo_fx.passes.stage_split import StageGraph
+from sppo_fx.plan import Plan
+from sppo_fx.runtime.distributed import PipelineExecutor, check_agreement, fingerprint
+from sppo_fx.runtime.schedule import build_schedule
+
+
+def split_microbatches(args: tuple, kwargs: dict, target, count: int) -> list[tuple]:
+    """Split every tensor whose dim 0 is the batch size into `count` micro-batches.
+
+    Returns:
+        [(args, kwargs, target)] per micro-batch.
+    """
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs), target))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors:
+        raise SppoError("no input tensor to split into micro-batches")
+    batch = tensors[0].shape[0]
+    if batch % count:
+        raise SppoError(f"the batch of {batch} sequences does not split into microbatches={count}; "
+                        f"use a batch size divisible by {count}")
+    size = batch // count
+    out = []
+    for m in range(count):
+        part = [x[m * size:(m + 1) * size] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch
+                else x for x in leaves]
+        out.append(pytree.tree_unflatten(part, spec))
+    return out
+
+
+@dataclasses.dataclass
+class PipelineState:
+    """What one rank keeps between steps."""
+
+    captured: Captured
+    stages: list[StageGraph]
+    programs: list[ChunkedProgram]
+    executor: PipelineExecutor
+    plan: Plan
+
+
+def build_pipeline(model, fn, options, microbatches: list[tuple], plan: Plan, rank: int, world: int,
+                   chunk_fn_factory=None) -> PipelineState:
+    """Capture, split and schedule; check that all ranks agree.
+
+    Args:
+        model / fn: as given to sppo_fx.compile.
+        options: the CompileOptions.
+        microbatches: [(args, kwargs, target)] of this step.
+        plan: the chunk plan of one micro-batch.
+        rank / world: this rank and the number of ranks (= stages).
+        chunk_fn_factory: builds the chunk runner from a GraphModule (Inductor), or None.
+
+    Returns:
+        The PipelineState of this rank.
+    """
+    args, kwargs, target = microbatches[0]
+    cap = capture(model, fn, options.loss_fn, args, kwargs, target, options.seq_dim)
+    _, stages, programs = transform_stages(cap, world, options.split_points, log=options.log_passes)
+    program = programs[rank]
+    users: dict[str, list[int]] = {}
+    for s, prog in enumerate(programs):
+        for name in prog.params:
+            users.setdefault(cap.param_fqns[name][1], []).append(s)
+    shared_ids = {fqn: gid for gid, fqn in enumerate(sorted(f for f, r in users.items() if len(r) > 1))}
+    shared = {k: (shared_ids[cap.param_fqns[name][1]], users[cap.param_fqns[name][1]])
+              for k, name in enumerate(program.params) if cap.param_fqns[name][1] in shared_ids}
+    schedule = build_schedule(options.schedule, world, len(microbatches), plan.num_chunks)
+    params = [cap.param_value(name) for name in program.params]
+    shapes = [[list(t.shape) for t in flatten_call(*mb)[0] if isinstance(t, torch.Tensor)] for mb in microbatches]
+    param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    check_agreement(fingerprint(program, param_shapes, plan, schedule, shapes), rank, world)
+    chunk_fn = chunk_fn_factory(program.chunk) if chunk_fn_factory else None
+    executor = PipelineExecutor(program, params, plan, schedule, rank, world, chunk_fn, options.timeout_s, shared)
+    return PipelineState(cap, stages, programs, executor, plan)
+
+
+def pipeline_step(state: PipelineState, microbatches: list[tuple]) -> torch.Tensor:
+    """Run one step on this rank: returns the loss (on every rank)."""
+    inputs = []
+    for mb in microbatches:
+        leaves, _spec, slots = flatten_call(*mb)
+        inputs.append([leaves[i] for i in slots])
+    return state.executor.step(inputs)
+
+
+def require_world(stages: int) -> tuple[int, int]:
+    """(rank, world) of the initialised process group, which must have `stages` ranks."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise SppoError(f"stages={stages} needs torch.distributed: launch with `torchrun --nproc-per-node "
+                        f"{stages} ...` and call sppo_fx.runtime.distributed.init_from_env() first")
+    world = dist.get_world_size()
+    if world != stages:
+        raise SppoError(f"stages={stages} but the process group has {world} ranks; launch with "
+                        f"--nproc-per-node {stages} (one stage per rank)")
+    return dist.get_rank(), world
