@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--chunks", default="4", help="chunk count, or 'auto' for the pipeline solver's choice")
     p.add_argument("--chunk-lengths", type=str, default=None, help="comma-separated, overrides --chunks")
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     lengths = [int(c) for c in args.chunk_lengths.split(",")] if args.chunk_lengths else None
     if args.plan_seed is not None and rank == world - 1:
         lengths = [args.seq_len - 1, 1]
-    compiled = sppo_fx.compile(model, chunks=None if lengths else args.chunks, chunk_lengths=lengths,
+    chunks = None if lengths or args.chunks == "auto" else int(args.chunks)
+    compiled = sppo_fx.compile(model, chunks=chunks, chunk_lengths=lengths,
                                stages=world, microbatches=args.microbatches, schedule=args.schedule,
                                compile=args.compile, timeout_s=args.timeout)
     if args.fail_rank == rank:
@@ -91,7 +92,8 @@ def main(argv=None) -> int:
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
         grads = {n: prm.grad for n, prm in model.named_parameters() if prm.grad is not None}
-        torch.save({"loss": loss, "grads": grads, "blocks": [s.blocks for s in compiled.pipeline.stages]},
+        torch.save({"loss": loss, "grads": grads, "blocks": [s.blocks for s in compiled.pipeline.stages],
+                    "chunk_lengths": compiled.plan.chunk_lengths},
                    os.path.join(args.dump, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
     return 0

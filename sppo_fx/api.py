@@ -30,6 +30,7 @@ from sppo_fx.passes import transform
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan, even_plan
 from sppo_fx.runtime.local import chunked_loss
+from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths, cost_model_from_graph
 
 DEFAULT_CHUNKS = 4
 
@@ -52,6 +53,7 @@ class CompileOptions:
         schedule: "1f1b" (chunk-level 1F1B) or "gpipe".
         split_points: module names where stages start (default: cost-balanced).
         timeout_s: how long a rank waits for a peer before raising.
+        partition: "balanced" (equal FLOPs per chunk: longer early chunks) or "even".
     """
 
     loss_fn: Callable | None = None
@@ -66,6 +68,7 @@ class CompileOptions:
     schedule: str = "1f1b"
     split_points: list[str] | None = None
     timeout_s: float = 60.0
+    partition: str = "balanced"
 
 
 @dataclasses.dataclass
@@ -74,6 +77,7 @@ class _Entry:
     graph: fx.GraphModule
     program: ChunkedProgram
     compiled_chunk: CompiledProgram | None = None
+    cost: ChunkCostModel | None = None
 
 
 class SppoCompiled:
@@ -91,17 +95,27 @@ class SppoCompiled:
         self.pipeline = None
 
     # ---- planning -------------------------------------------------------------------
-    def plan_for(self, seq_len: int) -> Plan:
-        """The chunk plan for a sequence of `seq_len` tokens."""
+    def plan_for(self, seq_len: int, cost: ChunkCostModel | None = None) -> Plan:
+        """The chunk plan for a sequence of `seq_len` tokens.
+
+        Args:
+            seq_len: tokens in the sequence.
+            cost: the model's chunk cost; with partition="balanced" the chunks get equal
+                FLOPs (without it, or with partition="even", equal lengths).
+        """
         o = self.options
+        if o.partition not in ("balanced", "even"):
+            raise SppoError(f"partition={o.partition!r}: use 'balanced' or 'even'")
         if o.chunk_lengths is not None:
             if o.chunks is not None and o.chunks != len(o.chunk_lengths):
                 raise SppoError(f"chunks={o.chunks} disagrees with {len(o.chunk_lengths)} chunk_lengths; "
                                 "give one of them")
             return Plan(seq_len, list(o.chunk_lengths))
-        if o.chunks is None:
-            return even_plan(seq_len, min(DEFAULT_CHUNKS, seq_len))
-        return even_plan(seq_len, o.chunks)
+        n = min(DEFAULT_CHUNKS, seq_len) if o.chunks is None else o.chunks
+        plan = even_plan(seq_len, n)
+        if cost is not None and o.partition == "balanced":
+            plan = Plan(seq_len, balanced_lengths(seq_len, n, cost))
+        return plan
 
     # ---- calling --------------------------------------------------------------------
     def __call__(self, *args, target=None, **kwargs):
@@ -123,7 +137,7 @@ class SppoCompiled:
         seq_len = lengths[0]
         if any(n != seq_len for n in lengths):
             raise SppoError(f"inputs disagree on the sequence length: {lengths}")
-        plan = self.plan_for(seq_len)
+        plan = self.plan_for(seq_len, entry.cost)
         self.plan = plan
         params = [cap.param_value(name) for name in entry.program.params]
         return chunked_loss(entry.program, params, tensors, plan, entry.compiled_chunk)
@@ -154,14 +168,14 @@ class SppoCompiled:
         leaves, _spec, slots = flatten_call(*mbs[0])
         tensors = [leaves[i] for i in slots]
         seq_len = next(t.shape[o.seq_dim] for t in tensors if t.dim() > o.seq_dim)
-        plan = self.plan_for(seq_len)
-        key = ("pipeline", id(model), tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(plan.chunk_lengths))
+        self.plan_for(seq_len)  # fail before tracing
+        key = ("pipeline", id(model), tuple((tuple(t.shape), t.dtype) for t in tensors))
         state = self._cache.get(key)
         if state is None:
             factory = compile_chunk_program if o.compile else None
-            state = build_pipeline(model, self._fn, o, mbs, plan, rank, world, factory)
+            state = build_pipeline(model, self._fn, o, mbs, self, rank, world, factory)
             self._cache[key] = state
-        self.plan = plan
+        self.plan = state.plan
         self.pipeline = state
         return pipeline_step(state, mbs)
 
@@ -182,7 +196,8 @@ class SppoCompiled:
         self.plan_for(next(t.shape[seq_dim] for t in tensors if t.dim() > seq_dim))  # fail before tracing
         cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
         graph, program = transform(cap, log=self.options.log_passes)
-        entry = _Entry(cap, graph, program, compile_chunk_program(program.chunk) if self.options.compile else None)
+        entry = _Entry(cap, graph, program, compile_chunk_program(program.chunk) if self.options.compile else None,
+                       cost_model_from_graph(graph, cap.seq))
         self._cache[key] = entry
         self._last = entry
         return entry
@@ -205,6 +220,10 @@ class SppoCompiled:
         """The ChunkedProgram of the last call."""
         return self._require_entry().program
 
+    def pipeline_prediction(self):
+        """(chosen PipelinePrediction, all considered) for the last pipeline step, or None."""
+        return None if self.pipeline is None else self.pipeline.prediction
+
     @property
     def codegen(self) -> CompiledProgram | None:
         """The Inductor-compiled chunk program of the last call (None with compile=False)."""
@@ -220,7 +239,7 @@ class SppoCompiled:
 
 def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,
             log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
-            split_points=None, timeout_s=60.0):
+            split_points=None, timeout_s=60.0, partition="balanced"):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -240,6 +259,9 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         split_points: module names where stages start, e.g. ["layers.4"] (default:
             cost-balanced, or the model's `sppo_fx.split_point` markers).
         timeout_s: seconds a rank waits for a peer before raising SppoError.
+        partition: "balanced" chunk lengths with equal FLOPs (earlier chunks longer) or
+            "even" lengths. With stages > 1 and neither chunks nor chunk_lengths given,
+            the pipeline solver chooses the chunk count and lengths.
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -253,7 +275,8 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
     options = CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths,
                              seq_dim=seq_dim, budget=budget, log_passes=log_passes, compile=compile,
                              stages=int(stages), microbatches=int(microbatches), schedule=schedule,
-                             split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s))
+                             split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s),
+                             partition=partition)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

@@ -65,6 +65,7 @@ CASES = [
     ("gpt", 2, 4, "5,11,16", 2, "gpipe"),
     ("gpt", 4, 4, "4", 2, "1f1b"),
     ("llama", 4, 4, "2", 1, "1f1b"),
+    ("llama", 2, 2, "auto", 2, "1f1b"),  # the pipeline solver picks N and the lengths
 ]
 
 
@@ -89,6 +90,8 @@ def test_pipeline_matches_eager(tmp_path, model, stages, layers, chunks, microba
     assert seen == set(ref_grads), f"no rank holds gradients for {set(ref_grads) - seen}"
     # each rank holds only its own stage's parameters (plus tied ones)
     assert all(len(d["grads"]) < len(ref_grads) for d in dumps)
+    if chunks == "auto":
+        assert len(dumps[0]["chunk_lengths"]) > 1 and sum(dumps[0]["chunk_lengths"]) == seq_len
 
 
 def test_dead_rank_makes_the_others_raise_within_timeout(tmp_path):

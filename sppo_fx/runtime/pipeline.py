@@ -21,6 +21,8 @@ from sppo_fx.passes.stage_split import StageGraph
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.distributed import PipelineExecutor, check_agreement, fingerprint
 from sppo_fx.runtime.schedule import build_schedule
+from sppo_fx.solver.partition import cost_model_from_graph
+from sppo_fx.solver.pipeline import ComputeModel, choose_plan
 
 
 def split_microbatches(args: tuple, kwargs: dict, target, count: int) -> list[tuple]:
@@ -55,9 +57,10 @@ class PipelineState:
     programs: list[ChunkedProgram]
     executor: PipelineExecutor
     plan: Plan
+    prediction: tuple | None = None
 
 
-def build_pipeline(model, fn, options, microbatches: list[tuple], plan: Plan, rank: int, world: int,
+def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank: int, world: int,
                    chunk_fn_factory=None) -> PipelineState:
     """Capture, split and schedule; check that all ranks agree.
 
@@ -65,7 +68,8 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], plan: Plan, ra
         model / fn: as given to sppo_fx.compile.
         options: the CompileOptions.
         microbatches: [(args, kwargs, target)] of this step.
-        plan: the chunk plan of one micro-batch.
+        planner: the SppoCompiled (its `plan_for` gives the chunk plan from a cost model); with
+            neither chunks nor chunk_lengths set, the pipeline solver chooses the plan.
         rank / world: this rank and the number of ranks (= stages).
         chunk_fn_factory: builds the chunk runner from a GraphModule (Inductor), or None.
 
@@ -74,8 +78,16 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], plan: Plan, ra
     """
     args, kwargs, target = microbatches[0]
     cap = capture(model, fn, options.loss_fn, args, kwargs, target, options.seq_dim)
-    _, stages, programs = transform_stages(cap, world, options.split_points, log=options.log_passes)
+    graph, stages, programs = transform_stages(cap, world, options.split_points, log=options.log_passes)
     program = programs[rank]
+    cost = cost_model_from_graph(graph, cap.seq)
+    seq_len = _seq_len(microbatches[0], options.seq_dim)
+    prediction = None
+    if options.chunks is None and options.chunk_lengths is None:
+        best, considered = choose_plan(cost, ComputeModel(1.0), seq_len, world, len(microbatches), options.schedule)
+        plan, prediction = Plan(seq_len, best.chunk_lengths), (best, considered)
+    else:
+        plan = planner.plan_for(seq_len, cost)
     users: dict[str, list[int]] = {}
     for s, prog in enumerate(programs):
         for name in prog.params:
@@ -90,7 +102,12 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], plan: Plan, ra
     check_agreement(fingerprint(program, param_shapes, plan, schedule, shapes), rank, world)
     chunk_fn = chunk_fn_factory(program.chunk) if chunk_fn_factory else None
     executor = PipelineExecutor(program, params, plan, schedule, rank, world, chunk_fn, options.timeout_s, shared)
-    return PipelineState(cap, stages, programs, executor, plan)
+    return PipelineState(cap, stages, programs, executor, plan, prediction)
+
+
+def _seq_len(microbatch: tuple, seq_dim: int) -> int:
+    leaves, _spec, slots = flatten_call(*microbatch)
+    return next(leaves[i].shape[seq_dim] for i in slots if leaves[i].dim() > seq_dim)
 
 
 def pipeline_step(state: PipelineState, microbatches: list[tuple]) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""Sequence partitions: FLOPs-balanced chunk lengths and multiplexed partitioning.
+
+A chunk of c tokens starting at token t costs
+
+    F(c, t) = a·c + q·c·(t + (c + 1) / 2)
+
+FLOPs forward: a per token (matmuls, norms, the head) and q per (query, key) pair of causal
+attention (4·b·h·d summed over attention sites). Equal-length chunks have unequal cost
+(the prefix grows), so FLOPs-balanced chunks are longer early and shorter late:
+
+    tokens  |■■■■■■■■■■■■|■■■■■■■■|■■■■■■|■■■■■|      (equal cost per chunk)
+
+Multiplexed partitioning (the paper's) cuts the first and last chunks, the ones the
+pipeline's fill and drain bubbles wait on, into `stages` finer pieces without adding memory
+(no chunk gets longer). In our schedule simulator the bubbles are set by the costliest
+chunk in flight, so this pays off when the first/last chunks are the costly ones (even
+lengths: the last chunk has the longest prefix) and not for FLOPs-balanced chunks, where
+it gains nothing at one micro-batch and loses under 1F1B with several; the pipeline
+solver predicts both and keeps the faster.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import sympy
+import torch
+import torch.fx as fx
+
+from sppo_fx.errors import SppoError
+
+
+@dataclasses.dataclass
+class ChunkCostModel:
+    """Forward FLOPs of a chunk: a·c + q·c·(t + (c+1)/2).
+
+    Attributes:
+        per_token: a, FLOPs per token outside attention (whole model or one stage).
+        per_pair: q, FLOPs per causal (query, key) pair, all attention sites.
+        backward_factor: backward FLOPs / forward FLOPs.
+    """
+
+    per_token: float
+    per_pair: float
+    backward_factor: float = 2.0
+
+    def forward_flops(self, length: int, start: int) -> float:
+        return self.per_token * length + self.per_pair * length * (start + (length + 1) / 2)
+
+    def cumulative(self, position: float) -> float:
+        """FLOPs of tokens [0, position) in one chunk: a·x + q·x(x+1)/2."""
+        return self.per_token * position + self.per_pair * position * (position + 1) / 2
+
+    def scaled(self, factor: float) -> "ChunkCostModel":
+        return ChunkCostModel(self.per_token * factor, self.per_pair * factor, self.backward_factor)
+
+
+def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostModel:
+    """Estimate a and q from an analysed captured graph (matmul and SDPA nodes).
+
+    a counts 2·K·N per token for every linear/matmul whose rows are tokens; q counts
+    4·b·h·d per attention site (QK^T and PV).
+    """
+    from sppo_fx.passes.stage_split import node_flops
+    per_token, per_pair = 0.0, 0.0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            q = node.args[0].meta["val"]
+            b, h, d = int(q.shape[0]), int(q.shape[1]), int(q.shape[-1])
+            per_pair += 4.0 * b * h * d
+            continue
+        info = node.meta.get("sppo_seq")
+        if info is None or not info.seq_dims:
+            continue
+        f1, f2 = node_flops(node, seq, 1024), node_flops(node, seq, 2048)
+        per_token += max(f2 - f1, 0.0) / 1024
+    return ChunkCostModel(per_token, per_pair)
+
+
+def balanced_lengths(seq_len: int, chunks: int, cost: ChunkCostModel) -> list[int]:
+    """Chunk lengths with (as nearly as integers allow) equal forward FLOPs.
+
+    Args:
+        seq_len: tokens T.
+        chunks: N (≤ T).
+        cost: the chunk cost model.
+
+    Returns:
+        N lengths ≥ 1 summing to T.
+    """
+    if chunks < 1 or seq_len < chunks:
+        raise SppoError(f"the sequence has {seq_len} tokens, fewer than chunks={chunks}: use chunks <= {seq_len}")
+    total = cost.cumulative(seq_len)
+    a, q = cost.per_token, cost.per_pair
+    ends = []
+    for i in range(1, chunks):
+        target = total * i / chunks
+        if q > 0:  # solve a·x + q·x(x+1)/2 = target
+            bq = a + q / 2
+            x = (-bq + math.sqrt(bq * bq + 2 * q * target)) / q
+        else:
+            x = seq_len * i / chunks
+        ends.append(int(round(x)))
+    ends.append(seq_len)
+    # keep every chunk at least one token long
+    lengths, prev = [], 0
+    for k, e in enumerate(ends):
+        lo = prev + 1
+        hi = seq_len - (chunks - 1 - k)
+        e = min(max(e, lo), hi)
+        lengths.append(e - prev)
+        prev = e
+    return lengths
+
+
+def multiplexed_lengths(lengths: list[int], stages: int) -> list[int]:
+    """Cut the first and the last chunk into `stages` near-equal pieces each.
+
+    The pieces next to the fill and drain bubbles get shorter; no chunk gets longer, so the
+    peak activation memory does not grow.
+    """
+    if stages <= 1 or len(lengths) < 2:
+        return list(lengths)
+
+    def cut(c):
+        k = min(stages, c)
+        return [c // k + (1 if j < c % k else 0) for j in range(k)]
+
+    return cut(lengths[0]) + list(lengths[1:-1]) + cut(lengths[-1])
