@@ -2,13 +2,20 @@
 
 q [b, h, c, d] attends to k, v [b, h_kv, p + c, d]; query row i sees keys 0..p+i
 (lower-right aligned, as `torch.nn.attention.bias.causal_lower_right`). The chunk pass
-emits calls to `chunk_causal_attention`; it materialises at most a c x (p + c) mask,
-never T x T.
+emits calls to `chunk_causal_attention`. On a GPU it runs `sppo_fx.ops.chunk_attention`
+(the Triton kernel, visible to Inductor); on CPU it runs SDPA with a c x (p + c) boolean
+mask (ATen's CPU flash kernel, which measured faster here than the op's CPU path). Never
+a T x T mask.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def _triton_ready() -> bool:
+    from sppo_fx.ops.chunk_attention import HAS_TRITON
+    return HAS_TRITON
 
 
 def chunk_causal_attention(q, k, v, scale=None, enable_gqa=False):
@@ -23,6 +30,11 @@ def chunk_causal_attention(q, k, v, scale=None, enable_gqa=False):
     Returns:
         [b, h, c, d] attention output.
     """
+    if q.device.type != "cpu" and _triton_ready():
+        # The Triton kernel (a torch.library.triton_op: Inductor sees through it) handles
+        # grouped-query heads and the lower-right mask itself.
+        from sppo_fx.ops import chunk_attention
+        return chunk_attention(q, k, v, scale=scale)
     c, kv_len = q.shape[-2], k.shape[-2]
     prefix = kv_len - c
     if prefix == 0:

@@ -2,12 +2,14 @@
 
 * The custom op's CPU (reference) path, forward and backward, against
   ``scaled_dot_product_attention`` with ``causal_lower_right``.
-* The raw Triton kernels under ``TRITON_INTERPRET=1`` (in one subprocess, because the
-  variable must be set before triton is imported).
+* The raw Triton kernels under ``TRITON_INTERPRET=1`` (in a subprocess, because the
+  variable must be set before triton is imported), including the op's Triton branch.
+* The real kernels compiled ahead of time for an sm_90 target (second subprocess; no GPU
+  needed).  Both subprocesses start with this module's first test and run in parallel
+  with the in-process tests.
 * ``segmented_chunk_attention`` against attention over the concatenated prefix.
 * ``torch.compile`` (inductor) and ``torch.export`` on CPU tensors.
 """
-import importlib
 import json
 import os
 import subprocess
@@ -21,7 +23,6 @@ from torch.nn.attention.bias import causal_lower_right
 
 from sppo_fx.ops import chunk_attention, chunk_attention_with_lse, segmented_chunk_attention
 
-CA = importlib.import_module("sppo_fx.ops.chunk_attention")  # the module (the package attr is the function)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -96,7 +97,7 @@ def test_reference_path_non_causal():
 
 def test_gradcheck_out_and_lse_float64():
     """Both outputs are differentiable (the lse gradient folds into the kernel's delta)."""
-    q, k, v, _ = make_inputs(1, 4, 2, 5, 3, 8, dtype=torch.float64)
+    q, k, v, _ = make_inputs(1, 2, 1, 3, 2, 4, dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda q, k, v: chunk_attention_with_lse(q, k, v), (q, k, v))
     assert torch.autograd.gradcheck(
         lambda q, k, v: chunk_attention_with_lse(q, k, v, causal=False), (q, k, v)
@@ -105,11 +106,14 @@ def test_gradcheck_out_and_lse_float64():
 
 def test_opcheck():
     q, k, v, do = make_inputs(1, 4, 2, 6, 5, 16)
-    torch.library.opcheck(torch.ops.sppo_fx.chunk_attention_fwd.default, (q, k, v, 0.25, True))
+    # (test_aot_dispatch_dynamic is left out for time; the torch.compile test covers AOT.)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.sppo_fx.chunk_attention_fwd.default, (q, k, v, 0.25, True),
+                          test_utils=utils)
     with torch.no_grad():
         out, lse = torch.ops.sppo_fx.chunk_attention_fwd(q, k, v, 0.25, True)
     args = (do, q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse), 0.25, True)
-    torch.library.opcheck(torch.ops.sppo_fx.chunk_attention_bwd.default, args)
+    torch.library.opcheck(torch.ops.sppo_fx.chunk_attention_bwd.default, args, test_utils=utils)
 
 
 def test_input_validation():
@@ -197,7 +201,7 @@ def test_torch_export_keeps_custom_op():
 
 
 # ----------------------------------------------------------------------------------------
-# Triton kernels under the interpreter (subprocess with TRITON_INTERPRET=1)
+# Triton kernels: interpreter (TRITON_INTERPRET=1) and sm_90 compilation, in subprocesses
 # ----------------------------------------------------------------------------------------
 
 try:
@@ -208,16 +212,19 @@ except ImportError:  # pragma: no cover - depends on the environment
     HAS_TRITON = False
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (import triton failed)")
 
-# Forward runs over the full grid c x prefix x (h/h_kv) x d (64 cases, default tile
-# sizes).  Backward under the interpreter is ~2x slower, so it runs on a representative
-# subset (every c and prefix value, both head layouts and head dims, all edge cases:
-# c=1, p=0, ragged tiles, multi-tile queries) plus a few runs with 16x16 tiles that put
-# several diagonal/ragged tiles in every row and column.
+# Forward runs over the full grid c x prefix x (h/h_kv) x d (64 cases, the op's default
+# fp32 tiles).  Backward under the interpreter is ~3x slower than forward, so it runs on a
+# representative subset: 8 (c, p) pairs covering every c and prefix value and the edge
+# cases (c=1, p=0, ragged tiles, several query tiles) x both head layouts x both head
+# dims, with 64x64 tiles.  Extra runs use 16x16 tiles (several diagonal/ragged tiles in
+# every row and column, non-causal, non-power-of-two head dim) and the default fp32
+# backward tiles; the bf16 runs use the default 16-bit tiles (the GPU configuration).
 INTERPRETER_SCRIPT = textwrap.dedent(
     r"""
     import itertools, json, os, sys
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch
+    torch.set_num_threads(1)
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
     import importlib
@@ -256,18 +263,20 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         ref = reference(q, k, v, do)
         results["fwd"][name] = err(out, ref[0])
         if (c, p) in BWD_SUBSET:
-            dq, dk, dv = CA.chunk_attention_bwd_triton(do, q, k, v, out, lse)
+            dq, dk, dv = CA.chunk_attention_bwd_triton(do, q, k, v, out, lse, block_m=64, block_n=64)
             results["bwd"][name] = [err(a, b) for a, b in zip((dq, dk, dv), ref[1:])]
 
-    for c, p, (h, h_kv), d, causal in [(64, 1, (4, 4), 16, True), (33, 40, (8, 2), 24, True),
-                                       (17, 63, (4, 2), 16, False), (40, 0, (2, 1), 32, True)]:
+    for c, p, (h, h_kv), d, causal, tile in [
+            (64, 1, (4, 4), 16, True, 16), (33, 40, (8, 2), 24, True, 16),
+            (17, 63, (4, 2), 16, False, 16), (40, 0, (2, 1), 32, True, 16),
+            (128, 63, (4, 2), 64, True, None), (64, 40, (2, 1), 128, True, None)]:  # None: default tiles
         seed += 1
         q, k, v, do = inputs(h, h_kv, c, p, d, torch.float32, seed)
-        out, lse = CA.chunk_attention_fwd_triton(q, k, v, causal=causal, block_m=16, block_n=16)
+        out, lse = CA.chunk_attention_fwd_triton(q, k, v, causal=causal, block_m=tile, block_n=tile)
         dq, dk, dv = CA.chunk_attention_bwd_triton(do, q, k, v, out, lse, causal=causal,
-                                                   block_m=16, block_n=16)
+                                                   block_m=tile, block_n=tile)
         ref = reference(q, k, v, do, causal)
-        name = f"c{c}_p{p}_h{h}_kv{h_kv}_d{d}_causal{int(causal)}"
+        name = f"c{c}_p{p}_h{h}_kv{h_kv}_d{d}_causal{int(causal)}_tile{tile or 'default'}"
         results["small_tiles"][name] = [err(a, b) for a, b in zip((out, dq, dk, dv), ref)]
 
     for c, p, (h, h_kv), d in [(17, 63, (8, 2), 64), (128, 300, (4, 4), 128)]:
@@ -301,17 +310,162 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
+# Ahead-of-time compilation of the real (non-interpreted) kernels for an sm_90 target
+# (H100/H200), with the tile configurations the op uses.  Needs no GPU: Triton lowers to
+# PTX and runs its bundled ptxas.  Catches compile errors and shared-memory overflow.
+AOT_SCRIPT = textwrap.dedent(
+    r"""
+    import importlib, json, os, traceback
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1"
+    import torch
+    torch.set_num_threads(1)
+    import triton
+    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget
+    CA = importlib.import_module("sppo_fx.ops.chunk_attention")
+
+    PTR = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ"}
+    F32PTR = {"LSE", "DELTA", "DLSE"}
+    FLOAT = {"qk_scale", "scale"}
+    TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+    def compile_one(jit, dtype, constexprs, num_warps, num_stages):
+        sig, attrs = {}, {}
+        for i, name in enumerate(jit.arg_names):
+            if name in constexprs:
+                sig[name] = "constexpr"
+            elif name in PTR:
+                sig[name] = "*" + TY[dtype]
+            elif name in F32PTR:
+                sig[name] = "*fp32"
+            elif name in FLOAT:
+                sig[name] = "fp32"
+            else:
+                sig[name] = "i32"
+            if sig[name].startswith("*") or name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]  # as for 16-aligned contiguous tensors
+        src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        assert len(k.asm["cubin"]) > 0
+        return int(k.metadata.shared)
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception as exc:
+        print("JSON:" + json.dumps({"_unavailable": f"Triton's NVIDIA backend is unavailable: {exc}"}))
+        raise SystemExit(0)
+    results = {}
+    kernels = {"fwd": CA._chunk_attn_fwd_kernel, "dkdv": CA._chunk_attn_bwd_dkdv_kernel,
+               "dq": CA._chunk_attn_bwd_dq_kernel}
+    # The benchmark configuration, plus a masked head dim (80 -> BLOCK_D 128) without mask.
+    for dtype, d, causal in [(torch.bfloat16, 128, True), (torch.float16, 80, False)]:
+        bd = CA._block_d(d)
+        for kind, jit in kernels.items():
+            cfg = CA._kernel_config(kind, dtype, bd)
+            ce = dict(HEAD_DIM=d, BLOCK_D=bd, CHECK_D=bd != d, CAUSAL=causal,
+                      DOT_PRECISION=CA._dot_precision(dtype), UPCAST=False,
+                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+            name = f"{kind}_{TY[dtype]}_d{d}_causal{int(causal)}"
+            try:
+                results[name] = {"shared": compile_one(jit, dtype, ce, cfg["num_warps"], cfg["num_stages"])}
+            except Exception:
+                results[name] = {"error": traceback.format_exc()[-3000:]}
+    try:
+        results["preprocess_bf16_d128"] = {"shared": compile_one(
+            CA._chunk_attn_bwd_preprocess_kernel, torch.bfloat16,
+            dict(HEAD_DIM=128, BLOCK_D=128, CHECK_D=False, BLOCK_M=64, HAS_DLSE=True), 4, 1)}
+    except Exception:
+        results["preprocess_bf16_d128"] = {"error": traceback.format_exc()[-3000:]}
+    print("JSON:" + json.dumps(results))
+    """
+)
+
+
+def _start(script_text, path, interpret):
+    path.write_text(script_text)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    # Tiny matrices: extra BLAS/OpenMP threads only contend with the other processes.
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, str(path)], env=env, cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+class _TritonJobs:
+    """The two Triton check subprocesses, started early and collected on first use."""
+
+    SCRIPTS = {"interp": (lambda: INTERPRETER_SCRIPT, True), "aot": (lambda: AOT_SCRIPT, False)}
+
+    def __init__(self):
+        self.procs, self.results = {}, {}
+
+    def start(self, key, tmp):
+        text, interpret = self.SCRIPTS[key]
+        self.procs[key] = _start(text(), tmp / f"{key}.py", interpret)
+
+    def result(self, key, tmp):
+        if key not in self.results:
+            if key not in self.procs:
+                self.start(key, tmp)
+            proc = self.procs[key]
+            try:
+                stdout, stderr = proc.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            if proc.returncode != 0:
+                self.results[key] = RuntimeError(f"{key} subprocess failed (rc={proc.returncode}):\n"
+                                                 f"{stdout[-4000:]}\n{stderr[-8000:]}")
+            else:
+                line = [ln for ln in stdout.splitlines() if ln.startswith("JSON:")][-1]
+                self.results[key] = json.loads(line[len("JSON:"):])
+        res = self.results[key]
+        if isinstance(res, Exception):
+            pytest.fail(str(res))
+        return res
+
+    def kill(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+FIXTURE_FOR = {"interpreter_results": "interp", "aot_results": "aot"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _triton_jobs(request, tmp_path_factory):
+    """Start the Triton subprocesses when this module's first test starts (only those that
+    some selected test needs), so they run while the in-process tests run."""
+    jobs = _TritonJobs()
+    tmp = tmp_path_factory.mktemp("triton")
+    jobs.tmp = tmp
+    if HAS_TRITON:
+        needed = {
+            FIXTURE_FOR[name]
+            for item in request.session.items
+            if getattr(item, "module", None) is request.module
+            for name in getattr(item, "fixturenames", ())
+            if name in FIXTURE_FOR
+        }
+        for key in sorted(needed):
+            jobs.start(key, tmp)
+    yield jobs
+    jobs.kill()
+
+
 @pytest.fixture(scope="module")
-def interpreter_results(tmp_path_factory):
-    script = tmp_path_factory.mktemp("interp") / "run_kernels.py"
-    script.write_text(INTERPRETER_SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO
-    )
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")][-1]
-    return json.loads(line[len("JSON:"):])
+def interpreter_results(_triton_jobs):
+    return _triton_jobs.result("interp", _triton_jobs.tmp)
+
+
+@pytest.fixture(scope="module")
+def aot_results(_triton_jobs):
+    return _triton_jobs.result("aot", _triton_jobs.tmp)
 
 
 def _check(err_and_scale, atol, rtol, what):
@@ -340,7 +494,7 @@ def test_triton_backward_fp32(interpreter_results):
 
 
 @needs_triton
-def test_triton_small_tiles_fp32(interpreter_results):
+def test_triton_other_tiles_fp32(interpreter_results):
     for name, errs in interpreter_results["small_tiles"].items():
         for g, e in zip(("out", "dq", "dk", "dv"), errs):
             _check(e, FP32_ATOL, FP32_RTOL, f"{g} {name}")
@@ -362,3 +516,15 @@ def test_triton_op_path_and_segmented(interpreter_results):
         _check(e, FP32_ATOL, FP32_RTOL, "op (triton branch) vs reference")
     for e in op["segmented_vs_full"]:
         _check(e, FP32_ATOL, FP32_RTOL, "segmented (triton branch) vs concatenated")
+
+
+@needs_triton
+def test_triton_kernels_compile_for_sm90(aot_results):
+    aot = aot_results
+    if "_unavailable" in aot:
+        pytest.skip(aot["_unavailable"])
+    errors = {k: v["error"] for k, v in aot.items() if "error" in v}
+    assert not errors, "\n\n".join(f"{k}:\n{e}" for k, e in errors.items())
+    assert len(aot) == 7
+    for name, info in aot.items():
+        assert info["shared"] <= 227 * 1024, f"{name} needs {info['shared']} bytes of shared memory"

@@ -38,16 +38,32 @@ differentiable; this is what lets :func:`segmented_chunk_attention` merge per-se
 results by log-sum-exp and still back-propagate through the kernels.
 
 Execution: on CUDA (or any non-CPU device Triton supports) with fp16/bf16/fp32 inputs the
-Triton kernels run.  On CPU, for float64 inputs, or when Triton is not installed, a
-plain-PyTorch reference path (matmul + mask + softmax) runs instead; it materializes the
-``[b, h, c, p + c]`` score matrix, so it is meant for tests and small CPU runs.  The
+Triton kernels run.  On CPU with fp32/bf16/fp16 the op calls ATen's CPU flash-attention
+kernels (`_scaled_dot_product_flash_attention_for_cpu` and its backward, with the
+lower-right mask; K/V heads repeated for grouped-query attention); a backward that also
+receives an lse gradient, float64 inputs, and the tests' reference use a plain-PyTorch
+path (matmul + mask + softmax) that materializes the ``[b, h, c, p + c]`` scores.  The
 device check is a Python branch inside the op body, which is what keeps
 ``torch.compile`` on CPU tensors working (a Triton launch there fails with
 "0 active drivers").
 
+Kernels: the forward kernel tiles one query block against key blocks with an online
+softmax (unmasked key blocks first, then the diagonal/ragged ones with the mask) and
+stores ``lse``.  The backward computes ``delta = rowsum(dO * O) - dlse``, then ``dK, dV``
+in a kernel that owns one key block of one kv head and loops over the query heads of its
+group and the query blocks that see it (no atomics), and ``dQ`` in a kernel per query
+block.  All accumulate in fp32; head dims up to 256 are padded to a power of two >= 16
+with masking.
+
 For testing the kernels without a GPU, :func:`chunk_attention_fwd_triton` and
 :func:`chunk_attention_bwd_triton` launch the raw ``@triton.jit`` kernels directly; with
 ``TRITON_INTERPRET=1`` set before ``triton`` is imported they run on CPU tensors.
+
+Limitations: tile sizes are fixed per dtype/head dim (no autotuning; chosen so the sm_90
+build fits shared memory without register spills, not measured on hardware); offsets
+within one (batch, head) slice use 32-bit arithmetic, so ``(p + c) * k.stride(2)`` must
+stay below 2**31; fp32 inputs use IEEE fp32 dots unless
+``torch.backends.cuda.matmul.allow_tf32`` is set.
 """
 import math
 from typing import List, Optional, Sequence, Tuple
@@ -214,6 +230,52 @@ def _reference_bwd(
         dk.to(k.dtype).contiguous(),
         dv.to(v.dtype).contiguous(),
     )
+
+
+# ----------------------------------------------------------------------------------------
+# CPU fast path: ATen's CPU flash-attention kernels (they take a mask and return lse)
+# ----------------------------------------------------------------------------------------
+
+_CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cpu_flash_ok(q: Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES
+
+
+def _expand_kv(t: Tensor, groups: int) -> Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _cpu_flash_args(q: Tensor, k: Tensor, causal: bool):
+    c, n = q.shape[2], k.shape[2]
+    if not causal:
+        return False, None
+    if n == c:
+        return True, None  # no prefix: upper-left and lower-right alignment coincide
+    visible = _visible_mask(c, n, True, q.device)  # the kernel takes an additive mask of q's dtype
+    return False, torch.zeros(c, n, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+
+
+def _cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
+    g = q.shape[1] // k.shape[1]
+    is_causal, mask = _cpu_flash_args(q, k, causal)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _expand_kv(k, g), _expand_kv(v, g), 0.0, is_causal, attn_mask=mask, scale=scale)
+    return out.contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous()
+
+
+def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal) -> Tuple[Tensor, Tensor, Tensor]:
+    b, h_kv, n, d = k.shape
+    g = q.shape[1] // h_kv
+    is_causal, mask = _cpu_flash_args(q, k, causal)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, _expand_kv(k, g), _expand_kv(v, g), out, lse, 0.0, is_causal,
+        attn_mask=mask, scale=scale)
+    if g > 1:
+        dk = dk.reshape(b, h_kv, g, n, d).sum(2)
+        dv = dv.reshape(b, h_kv, g, n, d).sum(2)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def reference_chunk_attention(
@@ -590,22 +652,48 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"  # Triton's default on NVIDIA; only affects fp32 operands
 
 
-def _fwd_config(dtype: torch.dtype, block_d: int) -> dict:
-    # Untuned defaults sized to fit shared memory on Ampere/Hopper.
-    if dtype == torch.float32 or block_d > 128:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if block_d >= 128 else 4, num_stages=3)
+# Tile configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by the 16-bit /
+# fp32 input type and BLOCK_D.  Chosen without a GPU, by compiling for sm_90 and picking
+# configurations that fit shared memory and (mostly) avoid register spills; not tuned
+# for speed on hardware.
+_FWD_CONFIGS = {
+    (True, 64): (128, 64, 4, 3),
+    (True, 128): (128, 64, 8, 3),
+    (False, 64): (64, 32, 8, 2),
+    (False, 128): (32, 64, 8, 2),
+}
+_DKDV_CONFIGS = {
+    (True, 64): (32, 128, 8, 2),
+    (True, 128): (16, 128, 8, 2),
+    (False, 64): (32, 32, 8, 1),
+    (False, 128): (16, 64, 8, 1),
+}
+_DQ_CONFIGS = {
+    (True, 64): (128, 64, 8, 2),
+    (True, 128): (128, 32, 8, 2),
+    (False, 64): (64, 32, 8, 1),
+    (False, 128): (16, 32, 8, 1),
+}
+_WIDE_CONFIGS = {"fwd": (64, 32, 8, 1), "dkdv": (16, 32, 8, 1), "dq": (32, 32, 8, 1)}  # BLOCK_D > 128
 
 
-def _bwd_config(dtype: torch.dtype, block_d: int) -> dict:
-    if dtype == torch.float32 or block_d > 128:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if block_d >= 128 else 4, num_stages=2)
+def _kernel_config(kind: str, dtype: torch.dtype, block_d: int,
+                   block_m: Optional[int] = None, block_n: Optional[int] = None) -> dict:
+    if block_d > 128:
+        bm, bn, warps, stages = _WIDE_CONFIGS[kind]
+    else:
+        table = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}[kind]
+        bm, bn, warps, stages = table[(dtype != torch.float32, 64 if block_d <= 64 else 128)]
+    return dict(
+        BLOCK_M=bm if block_m is None else block_m,
+        BLOCK_N=bn if block_n is None else block_n,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
-def _needs_upcast(dtype: torch.dtype) -> bool:
-    """True under TRITON_INTERPRET=1 for bf16 (see ``_dot``); always False on a GPU build."""
-    if dtype != torch.bfloat16:
+def _kernels_interpreted() -> bool:
+    if not HAS_TRITON:
         return False
     try:
         from triton.runtime.interpreter import InterpretedFunction
@@ -614,8 +702,21 @@ def _needs_upcast(dtype: torch.dtype) -> bool:
     return isinstance(_chunk_attn_fwd_kernel, InterpretedFunction)
 
 
+_INTERPRETED = _kernels_interpreted()  # TRITON_INTERPRET=1 was set when triton was imported
+
+
+def _needs_upcast(dtype: torch.dtype) -> bool:
+    """True under TRITON_INTERPRET=1 for bf16 (see ``_dot``); always False on a GPU build."""
+    return _INTERPRETED and dtype == torch.bfloat16
+
+
 def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_head_dim(d: int) -> None:
+    if d > 256:
+        raise ValueError(f"the chunk attention Triton kernels support head dims up to 256; got {d}")
 
 
 def _launch_fwd(
@@ -623,6 +724,7 @@ def _launch_fwd(
     block_m: Optional[int] = None, block_n: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     b, h, c, d = q.shape
+    _check_head_dim(d)
     h_kv, n = k.shape[1], k.shape[2]
     out = torch.empty((b, h, c, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, c), dtype=torch.float32, device=q.device)
@@ -630,11 +732,7 @@ def _launch_fwd(
         return out, lse
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     block_d = _block_d(d)
-    cfg = _fwd_config(q.dtype, block_d)
-    if block_m is not None:
-        cfg["BLOCK_M"] = block_m
-    if block_n is not None:
-        cfg["BLOCK_N"] = block_n
+    cfg = _kernel_config("fwd", q.dtype, block_d, block_m, block_n)
     grid = (triton.cdiv(c, cfg["BLOCK_M"]), b * h, 1)
     upcast = _needs_upcast(q.dtype)
     kernel = _chunk_attn_fwd_kernel if direct else wrap_triton(_chunk_attn_fwd_kernel)
@@ -657,6 +755,7 @@ def _launch_bwd(
     block_m: Optional[int] = None, block_n: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     b, h, c, d = q.shape
+    _check_head_dim(d)
     h_kv, n = k.shape[1], k.shape[2]
     dq = torch.empty((b, h, c, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, h_kv, n, d), dtype=k.dtype, device=k.device)
@@ -669,11 +768,6 @@ def _launch_bwd(
     if dlse is not None:
         dlse = dlse.contiguous()
     block_d = _block_d(d)
-    cfg = _bwd_config(q.dtype, block_d)
-    if block_m is not None:
-        cfg["BLOCK_M"] = block_m
-    if block_n is not None:
-        cfg["BLOCK_N"] = block_n
     precision = _dot_precision(q.dtype)
     upcast = _needs_upcast(q.dtype)
     group = h // h_kv
@@ -688,6 +782,7 @@ def _launch_bwd(
         HEAD_DIM=d, BLOCK_D=block_d, CHECK_D=block_d != d, BLOCK_M=64, HAS_DLSE=dlse is not None,
     )
 
+    cfg = _kernel_config("dkdv", q.dtype, block_d, block_m, block_n)
     dkdv = _chunk_attn_bwd_dkdv_kernel if direct else wrap_triton(_chunk_attn_bwd_dkdv_kernel)
     dkdv[(triton.cdiv(n, cfg["BLOCK_N"]), b * h_kv, 1)](
         q, k, v, dout, lse, delta, dk, dv,
@@ -701,6 +796,7 @@ def _launch_bwd(
         HEAD_DIM=d, BLOCK_D=block_d, CHECK_D=block_d != d, CAUSAL=causal, DOT_PRECISION=precision, UPCAST=upcast, **cfg,
     )
 
+    cfg = _kernel_config("dq", q.dtype, block_d, block_m, block_n)
     dqk = _chunk_attn_bwd_dq_kernel if direct else wrap_triton(_chunk_attn_bwd_dq_kernel)
     dqk[(triton.cdiv(c, cfg["BLOCK_M"]), b * h, 1)](
         q, k, v, dout, lse, delta, dq,
@@ -778,6 +874,8 @@ def _chunk_attention_fwd_op(
 ) -> Tuple[Tensor, Tensor]:
     _check_inputs(q, k, v, causal)
     if not _use_triton(q):
+        if _cpu_flash_ok(q):
+            return _cpu_flash_fwd(q, k, v, scale, causal)
         return _reference_fwd(q, k, v, scale, causal)
     return _launch_fwd(q, k, v, scale, causal, False)
 
@@ -805,6 +903,8 @@ def _chunk_attention_bwd_op(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     _check_inputs(q, k, v, causal)
     if not _use_triton(q):
+        if _cpu_flash_ok(q) and dlse is None:
+            return _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal)
         return _reference_bwd(dout, q, k, v, out, lse, dlse, scale, causal)
     return _launch_bwd(dout, q, k, v, out, lse, dlse, scale, causal, False)
 
