@@ -59,6 +59,20 @@ def _reference(model_kind, layers, seq_len, batch, microbatches, seed=0):
     return total, {n: p.grad for n, p in model.named_parameters()}
 
 
+def _solver_choice(model_kind, layers, seq_len, batch, stages, microbatches):
+    from sppo_fx.capture import capture
+    from sppo_fx.passes import transform
+    from sppo_fx.solver.partition import cost_model_from_graph
+    from sppo_fx.solver.pipeline import ComputeModel, choose_plan
+    key = "n_layer" if model_kind == "gpt" else "n_layers"
+    m = build(model_kind, "tiny", **{key: layers})
+    x = torch.zeros(batch, seq_len, dtype=torch.long)
+    cap = capture(m, None, None, (x, x), {}, None, 1)
+    graph, _ = transform(cap)
+    best, _ = choose_plan(cost_model_from_graph(graph, cap.seq), ComputeModel(1.0), seq_len, stages, microbatches)
+    return best.chunk_lengths
+
+
 CASES = [
     # (model, stages, layers, chunks-or-lengths, microbatches, schedule)
     ("llama", 2, 4, "3", 2, "1f1b"),
@@ -90,8 +104,9 @@ def test_pipeline_matches_eager(tmp_path, model, stages, layers, chunks, microba
     assert seen == set(ref_grads), f"no rank holds gradients for {set(ref_grads) - seen}"
     # each rank holds only its own stage's parameters (plus tied ones)
     assert all(len(d["grads"]) < len(ref_grads) for d in dumps)
-    if chunks == "auto":
-        assert len(dumps[0]["chunk_lengths"]) > 1 and sum(dumps[0]["chunk_lengths"]) == seq_len
+    if chunks == "auto":  # every rank used the solver's choice for this model and pipeline
+        assert all(d["chunk_lengths"] == _solver_choice(model, layers, seq_len, batch // microbatches, stages,
+                                                         microbatches) for d in dumps)
 
 
 def test_dead_rank_makes_the_others_raise_within_timeout(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,10 @@ class PipelineExecutor:
         self.M, self.N = schedule.num_microbatches, schedule.num_chunks
         self.is_first, self.is_last = rank == 0, rank == world - 1
         self._sends: list = []
+        # (action string, start, end) in seconds from the step's start, for every action; the
+        # time F/B spent waiting for a peer's tensor is a separate "wait:<action>" entry
+        self.timeline: list[tuple[str, float, float]] = []
+        self._compute_start = None
 
     # ---- point-to-point with timeouts --------------------------------------------------
     def _tag(self, direction: int, mb: int, chunk: int, index: int) -> int:
@@ -165,33 +170,16 @@ class PipelineExecutor:
             runner.start(m, inputs)
         recv_f, recv_b, out_f, out_b, losses = {}, {}, {}, {}, {}
         loss_grad = torch.tensor(1.0 / self.M)
+        self.timeline = []
+        t0 = time.perf_counter()
         for a in self.schedule.actions[self.rank]:
-            key = (a.microbatch, a.chunk)
-            m, i = key
-            if a.kind is ActionKind.F:
-                recvs = self._received(recv_f.pop(key), f"activation of micro-batch {m} chunk {i}") \
-                    if not self.is_first else []
-                out_f[key] = runner.forward(m, i, recvs)
-                if self.is_last and i == self.N - 1:
-                    losses[m] = runner.finish_forward(m)
-            elif a.kind is ActionKind.SEND_F:
-                self._isend(out_f.pop(key), self.rank + 1, 0, m, i)
-            elif a.kind is ActionKind.RECV_F:
-                recv_f[key] = self._irecv(self.program.recvs, self.rank - 1, 0, m, i)
-            elif a.kind is ActionKind.B:
-                grads = self._received(recv_b.pop(key), f"gradient of micro-batch {m} chunk {i}") \
-                    if not self.is_last else []
-                rg = runner.backward(m, i, grads, loss_grad=loss_grad.to(self._device()))
-                out_b[key] = [g if g is not None else torch.zeros(
-                    a_.concrete_shape(self.plan.chunk_lengths[i]), dtype=a_.dtype, device=self._device())
-                    for g, a_ in zip(rg, self.program.recvs)]
-            elif a.kind is ActionKind.SEND_B:
-                self._isend(out_b.pop(key), self.rank - 1, 1, m, i)
-            elif a.kind is ActionKind.RECV_B:
-                recv_b[key] = self._irecv(self.program.sends, self.rank + 1, 1, m, i)
-            else:
-                raise SppoError(f"action {a} is not supported by this executor (offload actions need a "
-                                "budget plan)")
+            started = time.perf_counter()
+            self._compute_start = None
+            self._run_action(a, runner, recv_f, recv_b, out_f, out_b, losses, loss_grad)
+            if self._compute_start is not None and self._compute_start > started:  # waited for a peer first
+                self.timeline.append((f"wait:{a}", started - t0, self._compute_start - t0))
+                started = self._compute_start
+            self.timeline.append((str(a), started - t0, time.perf_counter() - t0))
         for work, _t, peer in self._sends:
             self._wait(work, peer, "send")
         self._sends.clear()
@@ -204,6 +192,37 @@ class PipelineExecutor:
             p.grad = g.to(p.dtype) if p.grad is None else p.grad + g
         loss = torch.stack(list(losses.values())).mean() if self.is_last else torch.empty((), dtype=torch.float32)
         return self._broadcast_loss(loss)
+
+    def _run_action(self, a, runner, recv_f, recv_b, out_f, out_b, losses, loss_grad):
+        """Run one action of this rank's list (F, B, sends and receives)."""
+        key = (a.microbatch, a.chunk)
+        m, i = key
+        if a.kind is ActionKind.F:
+            recvs = self._received(recv_f.pop(key), f"activation of micro-batch {m} chunk {i}") \
+                if not self.is_first else []
+            self._compute_start = time.perf_counter()
+            out_f[key] = runner.forward(m, i, recvs)
+            if self.is_last and i == self.N - 1:
+                losses[m] = runner.finish_forward(m)
+        elif a.kind is ActionKind.SEND_F:
+            self._isend(out_f.pop(key), self.rank + 1, 0, m, i)
+        elif a.kind is ActionKind.RECV_F:
+            recv_f[key] = self._irecv(self.program.recvs, self.rank - 1, 0, m, i)
+        elif a.kind is ActionKind.B:
+            grads = self._received(recv_b.pop(key), f"gradient of micro-batch {m} chunk {i}") \
+                if not self.is_last else []
+            self._compute_start = time.perf_counter()
+            rg = runner.backward(m, i, grads, loss_grad=loss_grad.to(self._device()))
+            out_b[key] = [g if g is not None else torch.zeros(
+                a_.concrete_shape(self.plan.chunk_lengths[i]), dtype=a_.dtype, device=self._device())
+                for g, a_ in zip(rg, self.program.recvs)]
+        elif a.kind is ActionKind.SEND_B:
+            self._isend(out_b.pop(key), self.rank - 1, 1, m, i)
+        elif a.kind is ActionKind.RECV_B:
+            recv_b[key] = self._irecv(self.program.sends, self.rank + 1, 1, m, i)
+        else:
+            raise SppoError(f"action {a} is not supported by this executor (offload actions need a "
+                            "budget plan)")
 
     def _device(self):
         return self.params[0].device if self.params else torch.device("cpu")

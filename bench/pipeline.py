@@ -1,0 +1,181 @@
+"""Pipeline benchmark: measured vs predicted step time and bubble fraction.
+
+    python bench/pipeline.py [--stages 2] [--size small] [--seq-len 2048] [--chunks auto]
+
+1. Calibration (this process, 1 thread, as each torchrun rank has): the eager model's
+   forward+backward on the full sequence gives the FLOP rate; the same sequence through
+   sppo_fx's chunk programs on one process gives the per-chunk efficiency (c_half).
+2. The pipeline: P ranks on this machine (gloo), a warm-up step and timed steps; every rank
+   records each action's wall-clock span.
+3. Prediction: the same schedule simulated with durations from the cost model
+   (sppo_fx.solver.pipeline.predict).
+
+Measured bubble = 1 - (compute time summed over ranks) / (P * step time). On a 2-core
+machine with P = 2 each rank has one core; figures from such a small machine say whether
+the model of the schedule holds, not how a GPU cluster behaves.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from tabulate import tabulate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import sppo_fx  # noqa: E402
+from sppo_fx.capture import capture  # noqa: E402
+from sppo_fx.models import build  # noqa: E402
+from sppo_fx.passes import transform  # noqa: E402
+from sppo_fx.runtime.schedule import Action, ActionKind  # noqa: E402
+from sppo_fx.solver.partition import cost_model_from_graph  # noqa: E402
+from sppo_fx.solver.pipeline import ComputeModel, predict  # noqa: E402
+
+
+def _model(args):
+    torch.manual_seed(0)
+    return build(args.model, args.size)
+
+
+def _data(args, model):
+    gen = torch.Generator().manual_seed(1)
+    v = model.config.vocab_size
+    return (torch.randint(0, v, (args.batch, args.seq_len), generator=gen),
+            torch.randint(0, v, (args.batch, args.seq_len), generator=gen))
+
+
+def _timed(fn, reps):
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def worker(args):
+    from sppo_fx.runtime.distributed import init_from_env
+    rank, world = init_from_env(120)
+    model = _model(args)
+    x, y = _data(args, model)
+    chunks = None if args.chunks == "auto" else int(args.chunks)
+    compiled = sppo_fx.compile(model, chunks=chunks, stages=world, microbatches=args.microbatches,
+                               schedule=args.schedule, compile=False, timeout_s=300)
+    steps = []
+    for step in range(args.steps + 1):
+        model.zero_grad(set_to_none=True)
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        compiled.step(x, y)
+        steps.append(time.perf_counter() - t)
+    ex = compiled.pipeline.executor
+    busy = sum(e - s for a, s, e in ex.timeline
+               if not a.startswith("wait:") and Action.parse(a).kind in (ActionKind.F, ActionKind.B))
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"steps": steps[1:], "busy_last": busy, "timeline": ex.timeline,
+                   "chunk_lengths": compiled.plan.chunk_lengths}, f)
+    torch.distributed.destroy_process_group()
+
+
+def _launch(args, out):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(args.stages):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(args.stages), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, __file__, "--worker", "--out", out] + sys.argv[1:]
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"pipeline ranks failed with exit codes {codes}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama", choices=["llama", "gpt"])
+    p.add_argument("--size", default="small")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--chunks", default="auto")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    torch.set_num_threads(1)  # each rank gets one thread under torchrun / this launcher
+    model = _model(args)
+    x, y = _data(args, model)
+    cap = capture(model, None, None, (x[: args.batch // args.microbatches], y[: args.batch // args.microbatches]),
+                  {}, None, 1)
+    graph, _ = transform(cap)
+    cost = cost_model_from_graph(graph, cap.seq)
+    T = args.seq_len
+    flops = cost.forward_flops(T, 0) * (1 + cost.backward_factor) * args.microbatches
+
+    def eager():
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+
+    t_eager = _timed(eager, 2)
+    rate = flops / t_eager
+
+    with tempfile.TemporaryDirectory() as out:
+        args.out = out
+        _launch(args, out)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
+    lengths = ranks[0]["chunk_lengths"]
+
+    # per-chunk efficiency from one process running the same chunks
+    single = sppo_fx.compile(model, chunk_lengths=lengths, compile=False)
+
+    def chunked():
+        model.zero_grad(set_to_none=True)
+        single(x, y).backward()
+
+    t_chunked = _timed(chunked, 2)
+    c_mean = sum(lengths) / len(lengths)
+    eff = min(t_eager / t_chunked, 0.999)
+    c_half = c_mean * (1 / eff - 1)
+    compute = ComputeModel(rate, c_half)
+    pred = predict(cost, compute, lengths, args.stages, args.microbatches, args.schedule)
+
+    step = statistics.median([statistics.median(r["steps"]) for r in ranks])
+    busy = sum(r["busy_last"] for r in ranks)
+    bubble = 1 - busy / (args.stages * step)
+    rows = [
+        ("step time (s)", f"{step:.3f}", f"{pred.step_seconds:.3f}", f"{pred.step_seconds / step:.2f}"),
+        ("bubble fraction", f"{bubble:.1%}", f"{pred.bubble_fraction:.1%}", ""),
+        ("compute, all ranks (s)", f"{busy:.3f}", f"{pred.busy_seconds:.3f}", f"{pred.busy_seconds / busy:.2f}"),
+    ]
+    print(f"\nsppo_fx pipeline benchmark: {args.model}-{args.size}, T={T}, batch {args.batch}, "
+          f"P={args.stages}, M={args.microbatches}, {args.schedule}, chunks {lengths}")
+    print(f"calibration (1 thread): eager fwd+bwd {t_eager:.3f} s -> {rate / 1e9:.2f} GFLOP/s; "
+          f"one-process chunked {t_chunked:.3f} s -> c_half {c_half:.0f} tokens")
+    print(tabulate(rows, headers=["", "measured", "predicted", "predicted / measured"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"measured_step_s": step, "predicted_step_s": pred.step_seconds, "measured_bubble": bubble,
+                       "predicted_bubble": pred.bubble_fraction, "chunk_lengths": lengths, "t_eager": t_eager,
+                       "t_chunked_single_process": t_chunked}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
