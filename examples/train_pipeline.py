@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.0, help="SGD learning rate (0: no update)")
     p.add_argument("--compile", action="store_true", help="compile chunk programs with Inductor")
+    p.add_argument("--offload", choices=["disk", "host", "device"], default=None,
+                   help="offload every chunk's saved activations but the last's to this tier")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", default=None)
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     chunks = None if lengths or args.chunks == "auto" else int(args.chunks)
     compiled = sppo_fx.compile(model, chunks=chunks, chunk_lengths=lengths,
                                stages=world, microbatches=args.microbatches, schedule=args.schedule,
-                               compile=args.compile, timeout_s=args.timeout)
+                               compile=args.compile, timeout_s=args.timeout, offload=args.offload)
     if args.fail_rank == rank:
         _inject_failure(args.fail_at)
     for step in range(args.steps):

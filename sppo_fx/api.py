@@ -54,6 +54,9 @@ class CompileOptions:
         split_points: module names where stages start (default: cost-balanced).
         timeout_s: how long a rank waits for a peer before raising.
         partition: "balanced" (equal FLOPs per chunk: longer early chunks) or "even".
+        offload: where every chunk but the last of a sequence offloads its saved activations
+            ("disk", "host", "device"), or None. A manual plan until `budget` chooses.
+        offload_dir: directory for the disk tier's temporary files (default: the system's).
     """
 
     loss_fn: Callable | None = None
@@ -69,6 +72,8 @@ class CompileOptions:
     split_points: list[str] | None = None
     timeout_s: float = 60.0
     partition: str = "balanced"
+    offload: str | None = None
+    offload_dir: str | None = None
 
 
 @dataclasses.dataclass
@@ -93,6 +98,7 @@ class SppoCompiled:
         self._last: _Entry | None = None
         self.plan: Plan | None = None
         self.pipeline = None
+        self._store = None
 
     # ---- planning -------------------------------------------------------------------
     def plan_for(self, seq_len: int, cost: ChunkCostModel | None = None) -> Plan:
@@ -140,7 +146,17 @@ class SppoCompiled:
         plan = self.plan_for(seq_len, entry.cost)
         self.plan = plan
         params = [cap.param_value(name) for name in entry.program.params]
-        return chunked_loss(entry.program, params, tensors, plan, entry.compiled_chunk)
+        return chunked_loss(entry.program, params, tensors, plan, entry.compiled_chunk, self.store)
+
+    @property
+    def store(self):
+        """The ActivationStore offloaded activations go to (None without `offload`)."""
+        if self.options.offload and self._store is None:
+            from sppo_fx.runtime.store import TIERS, ActivationStore
+            if self.options.offload not in TIERS:
+                raise SppoError(f"offload={self.options.offload!r}: choose one of {TIERS}")
+            self._store = ActivationStore(self.options.offload, dir=self.options.offload_dir)
+        return self._store
 
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:
         """Forward and backward of one training step; returns the loss (detached).
@@ -173,7 +189,7 @@ class SppoCompiled:
         state = self._cache.get(key)
         if state is None:
             factory = compile_chunk_program if o.compile else None
-            state = build_pipeline(model, self._fn, o, mbs, self, rank, world, factory)
+            state = build_pipeline(model, self._fn, o, mbs, self, rank, world, factory, self.store)
             self._cache[key] = state
         self.plan = state.plan
         self.pipeline = state
@@ -239,7 +255,7 @@ class SppoCompiled:
 
 def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,
             log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
-            split_points=None, timeout_s=60.0, partition="balanced"):
+            split_points=None, timeout_s=60.0, partition="balanced", offload=None, offload_dir=None):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -262,6 +278,11 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         partition: "balanced" chunk lengths with equal FLOPs (earlier chunks longer) or
             "even" lengths. With stages > 1 and neither chunks nor chunk_lengths given,
             the pipeline solver chooses the chunk count and lengths.
+        offload: "disk" | "host" | "device": every chunk but the last of each sequence
+            offloads its saved activations to that tier during forward and reads them back
+            before its backward (prefetched one chunk ahead). Gradients are bitwise those of
+            the same chunking without offload (compile=False).
+        offload_dir: where the disk tier writes (default: the system's temp dir).
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -276,7 +297,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
                              seq_dim=seq_dim, budget=budget, log_passes=log_passes, compile=compile,
                              stages=int(stages), microbatches=int(microbatches), schedule=schedule,
                              split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s),
-                             partition=partition)
+                             partition=partition, offload=offload, offload_dir=offload_dir)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

@@ -74,12 +74,14 @@ def _solver_choice(model_kind, layers, seq_len, batch, stages, microbatches):
 
 
 CASES = [
-    # (model, stages, layers, chunks-or-lengths, microbatches, schedule)
+    # (model, stages, layers, chunks-or-lengths, microbatches, schedule[+offload tier])
     ("llama", 2, 4, "3", 2, "1f1b"),
     ("gpt", 2, 4, "5,11,16", 2, "gpipe"),
     ("gpt", 4, 4, "4", 2, "1f1b"),
     ("llama", 4, 4, "2", 1, "1f1b"),
     ("llama", 2, 2, "auto", 2, "1f1b"),  # the pipeline solver picks N and the lengths
+    ("llama", 2, 4, "4", 2, "1f1b+disk"),  # OFF/PRE/WAIT actions, activations on disk
+    ("gpt", 4, 4, "3", 2, "gpipe+disk"),
 ]
 
 
@@ -87,6 +89,9 @@ CASES = [
 def test_pipeline_matches_eager(tmp_path, model, stages, layers, chunks, microbatches, schedule):
     seq_len, batch = 32, 2
     chunk_args = ["--chunk-lengths", chunks] if "," in chunks else ["--chunks", chunks]
+    if "+" in schedule:
+        schedule, tier = schedule.split("+")
+        chunk_args += ["--offload", tier]
     results = launch(stages, ["--model", model, "--layers", str(layers), "--seq-len", str(seq_len),
                               "--batch", str(batch), "--microbatches", str(microbatches),
                               "--schedule", schedule, "--dump", str(tmp_path), *chunk_args])

@@ -7,6 +7,9 @@ Each rank runs its own action list:
     B     StageRunner.backward (reverse chunk order within a micro-batch)
     SEND_F / RECV_F   activations to / from the neighbouring stage (isend / irecv)
     SEND_B / RECV_B   their gradients
+    OFF / PRE / WAIT  the chunk's saved activations go to the activation store while F runs
+                      (saved-tensor hooks), PRE starts reading them back, WAIT blocks until
+                      they are back (B would wait too)
 
 Shapes come from the plan (chunk lengths) and the stage programs, so no shape handshake
 happens per step. Tags encode (direction, micro-batch, chunk, tensor) so sends and receives
@@ -88,14 +91,17 @@ class PipelineExecutor:
         timeout_s: the longest wait for a peer before raising.
         shared: for parameters used by several stages (tied embeddings),
             {local param index: (global id, [ranks using it])}.
+        store: the ActivationStore for the schedule's OFFLOAD/PREFETCH/WAIT actions.
     """
 
     def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], plan: Plan, schedule: Schedule,
                  rank: int, world: int, chunk_fn=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 shared: dict[int, tuple[int, list[int]]] | None = None):
+                 shared: dict[int, tuple[int, list[int]]] | None = None, store=None):
         self.program, self.params, self.plan, self.schedule = program, params, plan, schedule
         self.rank, self.world, self.chunk_fn, self.timeout_s = rank, world, chunk_fn, timeout_s
         self.shared = shared or {}
+        self.store = store
+        self.offload = {(a.microbatch, a.chunk) for a in schedule.actions[rank] if a.kind is ActionKind.OFFLOAD}
         self.M, self.N = schedule.num_microbatches, schedule.num_chunks
         self.is_first, self.is_last = rank == 0, rank == world - 1
         self._sends: list = []
@@ -165,7 +171,10 @@ class PipelineExecutor:
             pass
 
     def _step(self, microbatch_inputs):
-        runner = StageRunner(self.program, self.params, self.plan, self.chunk_fn, needs_grad=True)
+        if self.offload and self.store is None:
+            raise SppoError("the schedule offloads activations but no activation store was given")
+        runner = StageRunner(self.program, self.params, self.plan, self.chunk_fn, needs_grad=True,
+                             store=self.store if self.offload else None, offload=self.offload)
         for m, inputs in enumerate(microbatch_inputs):
             runner.start(m, inputs)
         recv_f, recv_b, out_f, out_b, losses = {}, {}, {}, {}, {}
@@ -220,9 +229,14 @@ class PipelineExecutor:
             self._isend(out_b.pop(key), self.rank - 1, 1, m, i)
         elif a.kind is ActionKind.RECV_B:
             recv_b[key] = self._irecv(self.program.sends, self.rank + 1, 1, m, i)
+        elif a.kind is ActionKind.OFFLOAD:
+            pass  # the chunk's saved activations were handed to the store as F produced them
+        elif a.kind is ActionKind.PREFETCH:
+            runner.prefetch(m, i)
+        elif a.kind is ActionKind.WAIT:
+            runner.wait(m, i)
         else:
-            raise SppoError(f"action {a} is not supported by this executor (offload actions need a "
-                            "budget plan)")
+            raise SppoError(f"action {a} is not supported by this executor")
 
     def _device(self):
         return self.params[0].device if self.params else torch.device("cpu")

@@ -26,10 +26,11 @@ from sppo_fx.plan import Plan
 
 
 class _ChunkState:
-    __slots__ = ("partials", "sends", "kv", "prefix", "recvs")
+    __slots__ = ("partials", "sends", "kv", "prefix", "recvs", "offloaded")
 
-    def __init__(self, partials, sends, kv, prefix, recvs):
+    def __init__(self, partials, sends, kv, prefix, recvs, offloaded=None):
         self.partials, self.sends, self.kv, self.prefix, self.recvs = partials, sends, kv, prefix, recvs
+        self.offloaded = offloaded  # store.Scope of this chunk's offloaded saved activations
 
 
 class _MicroBatch:
@@ -51,11 +52,19 @@ class StageRunner:
         plan: the chunk partition of every micro-batch.
         chunk_fn: what runs the chunk program (the GraphModule, or an Inductor-compiled one).
         needs_grad: build autograd graphs (False for evaluation).
+        store: the ActivationStore that offloaded chunks' saved activations go to.
+        offload: which (micro-batch, chunk) pairs offload their saved activations (level 2:
+            everything the chunk saves for its own backward except parameters and its K/V
+            prefix inputs); None with a store means every chunk but the last of each
+            micro-batch (it is the first to run backward).
+        min_offload_bytes: saved tensors smaller than this stay on the device.
     """
 
     def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], plan: Plan, chunk_fn=None,
-                 needs_grad: bool = True):
+                 needs_grad: bool = True, store=None, offload=None, min_offload_bytes: int = 1 << 16):
         self.program, self.plan = program, plan
+        self.store, self.min_offload_bytes = store, min_offload_bytes
+        self.offload = offload
         self.chunk_fn = chunk_fn if chunk_fn is not None else program.chunk
         self.needs_grad = needs_grad
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
@@ -103,12 +112,37 @@ class StageRunner:
         recv_leaves = [r.detach().requires_grad_(self.needs_grad and r.is_floating_point()) for r in recvs]
         prefix = self._prefix(m, i)
         n_part, n_send = prog.num_partials, len(prog.sends)
+        scope = None
         with torch.set_grad_enabled(self.needs_grad):
-            outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
+            if self.offloads(mb, i):
+                with self.store.scope() as scope, self.store.saved_tensor_hooks(self.min_offload_bytes):
+                    outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
+            else:
+                outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
         outs = list(outs)
         m.states[i] = _ChunkState(outs[:n_part], outs[n_part:n_part + n_send], outs[n_part + n_send:],
-                                  prefix, recv_leaves)
+                                  prefix, recv_leaves, scope)
         return [t.detach() for t in m.states[i].sends]
+
+    def offloads(self, mb: int, i: int) -> bool:
+        """Whether chunk `i` of micro-batch `mb` offloads its saved activations."""
+        if self.store is None or not self.needs_grad:
+            return False
+        if self.offload is None:
+            return i < self.plan.num_chunks - 1
+        return (mb, i) in self.offload
+
+    def prefetch(self, mb: int, i: int):
+        """Start bringing chunk i's offloaded activations back (no-op if none)."""
+        st = self.microbatches.get(mb) and self.microbatches[mb].states.get(i)
+        if st is not None and st.offloaded is not None:
+            st.offloaded.prefetch()
+
+    def wait(self, mb: int, i: int):
+        """Block until chunk i's offloaded activations are back (backward also waits)."""
+        st = self.microbatches.get(mb) and self.microbatches[mb].states.get(i)
+        if st is not None and st.offloaded is not None:
+            st.offloaded.wait()
 
     def finish_forward(self, mb: int) -> torch.Tensor:
         """After every chunk of `mb` ran forward on the last stage: the epilogue -> loss."""
@@ -204,12 +238,15 @@ class _ChunkedLoss(torch.autograd.Function):
         runner = ctx.runner
         ctx.runner = None
         for i in range(ctx.n_chunks - 1, -1, -1):
+            runner.prefetch(0, i)
+            if i > 0:  # the previous chunk's read-back overlaps this chunk's backward
+                runner.prefetch(0, i - 1)
             runner.backward(0, i, loss_grad=grad)
         return (None, None, *runner.param_grads)
 
 
 def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: list[torch.Tensor],
-                 plan: Plan, chunk_fn=None) -> torch.Tensor:
+                 plan: Plan, chunk_fn=None, store=None, offload=None) -> torch.Tensor:
     """Run the chunk programs over `plan`; the result backpropagates into `params`.
 
     Args:
@@ -219,13 +256,15 @@ def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: li
         plan: the chunk partition.
         chunk_fn: what runs the chunk program (default: the GraphModule itself, eagerly;
             `codegen.CompiledProgram` for Inductor).
+        store / offload: where and which chunks' saved activations are offloaded (see
+            StageRunner); offloading changes where tensors live, never the arithmetic.
 
     Returns:
         The scalar loss (equal to the eager model's on the full sequence).
     """
     grad_params = [p for p in params if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and bool(grad_params)
-    runner = StageRunner(program, params, plan, chunk_fn, needs_grad)
+    runner = StageRunner(program, params, plan, chunk_fn, needs_grad, store, offload)
     runner.start(0, inputs)
     if not needs_grad:
         for i in range(plan.num_chunks):

@@ -20,7 +20,7 @@ from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.passes.stage_split import StageGraph
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.distributed import PipelineExecutor, check_agreement, fingerprint
-from sppo_fx.runtime.schedule import build_schedule
+from sppo_fx.runtime.schedule import build_schedule, with_offload
 from sppo_fx.solver.partition import cost_model_from_graph
 from sppo_fx.solver.pipeline import ComputeModel, choose_plan
 
@@ -61,7 +61,7 @@ class PipelineState:
 
 
 def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank: int, world: int,
-                   chunk_fn_factory=None) -> PipelineState:
+                   chunk_fn_factory=None, store=None) -> PipelineState:
     """Capture, split and schedule; check that all ranks agree.
 
     Args:
@@ -72,6 +72,7 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank:
             neither chunks nor chunk_lengths set, the pipeline solver chooses the plan.
         rank / world: this rank and the number of ranks (= stages).
         chunk_fn_factory: builds the chunk runner from a GraphModule (Inductor), or None.
+        store: the ActivationStore when options.offload is set.
 
     Returns:
         The PipelineState of this rank.
@@ -96,12 +97,17 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank:
     shared = {k: (shared_ids[cap.param_fqns[name][1]], users[cap.param_fqns[name][1]])
               for k, name in enumerate(program.params) if cap.param_fqns[name][1] in shared_ids}
     schedule = build_schedule(options.schedule, world, len(microbatches), plan.num_chunks)
+    if options.offload:
+        # every chunk but the last of each micro-batch (the first to run backward) on every stage
+        schedule = with_offload(schedule, {(s, m, i) for s in range(world) for m in range(len(microbatches))
+                                           for i in range(plan.num_chunks - 1)})
     params = [cap.param_value(name) for name in program.params]
     shapes = [[list(t.shape) for t in flatten_call(*mb)[0] if isinstance(t, torch.Tensor)] for mb in microbatches]
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     check_agreement(fingerprint(program, param_shapes, plan, schedule, shapes), rank, world)
     chunk_fn = chunk_fn_factory(program.chunk) if chunk_fn_factory else None
-    executor = PipelineExecutor(program, params, plan, schedule, rank, world, chunk_fn, options.timeout_s, shared)
+    executor = PipelineExecutor(program, params, plan, schedule, rank, world, chunk_fn, options.timeout_s, shared,
+                                store)
     return PipelineState(cap, stages, programs, executor, plan, prediction)
 
 
