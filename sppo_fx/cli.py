@@ -24,6 +24,76 @@ def _explain(args) -> int:
     return 0
 
 
+def _add_whatif_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments shared by `plan` and `trace` (paper-scale what-if planning)."""
+    from sppo_fx.whatif import MODELS
+    p.add_argument("--model", default="gpt-7b", choices=sorted(MODELS) + ["custom"],
+                   help="paper Table 2 model (or custom with --layers/--hidden/--heads)")
+    p.add_argument("--layers", type=int, default=None, help="override / custom: transformer blocks")
+    p.add_argument("--hidden", type=int, default=None, help="override / custom: hidden size")
+    p.add_argument("--heads", type=int, default=None, help="override / custom: attention heads")
+    p.add_argument("--vocab", type=int, default=None, help="override / custom: vocabulary (50257)")
+    p.add_argument("--seq", default="4M", help="tokens per sequence: 4M, 640K, 128k or an integer")
+    p.add_argument("--gpus", type=int, default=128, help="total GPUs = stages x sequence-parallel width")
+    p.add_argument("--device", default="a100-80gb", help="device profile: a100-80gb, h100, h200")
+    p.add_argument("--stages", type=int, default=None, help="fix the pipeline size P")
+    p.add_argument("--chunks", type=int, default=None, help="fix the chunk count N")
+    p.add_argument("--host-memory", default="256GiB", help="host memory per GPU for offloaded activations")
+    p.add_argument("--no-shard-optimizer", action="store_true",
+                   help="keep fp32 master weights and Adam states on every GPU (16 B/param)")
+
+
+def _whatif_report(args):
+    from sppo_fx.whatif import Cluster, get_model, parse_bytes, plan
+    model = get_model(args.model, args.layers, args.hidden, args.heads, args.vocab)
+    cluster = Cluster(host_memory_bytes=parse_bytes(args.host_memory))
+    return plan(model, args.seq, args.gpus, args.device, cluster=cluster, stages=args.stages,
+                chunks=args.chunks, shard_optimizer=not args.no_shard_optimizer)
+
+
+def _plan(args) -> int:
+    import json
+
+    from sppo_fx.errors import SppoError
+    from sppo_fx.whatif import format_report
+    try:
+        report = _whatif_report(args)
+    except SppoError as e:
+        print(f"sppo-fx plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def _trace(args) -> int:
+    from sppo_fx.errors import SppoError
+    from sppo_fx.trace import render_text, simulated_trace, summarize_trace, write_trace
+    from sppo_fx.whatif import report_simulation
+    try:
+        report = _whatif_report(args)
+        sim = report_simulation(report, args.policy)
+    except SppoError as e:
+        print(f"sppo-fx trace: {e}", file=sys.stderr)
+        return 2
+    res = report.best if args.policy == "sppo" else report.baselines[args.policy]
+    title = (f"{report.model.name} seq={report.seq_len} gpus={report.gpus} {report.profile.name} "
+             f"{args.policy}: P={res.stages} D={res.seq_parallel} N={res.chunks} (simulated)")
+    trace = simulated_trace(sim, title=title)
+    write_trace(args.out, trace)
+    n = sum(1 for e in trace["traceEvents"] if e.get("ph") == "X")
+    print(f"wrote {args.out}: {n} events, {report.best.stages if args.policy == 'sppo' else res.stages} ranks "
+          f"(one pipeline; each rank stands for the {res.seq_parallel} GPUs of its stage). "
+          f"Simulated step {sim.step_seconds:.3f} s, bubble {sim.bubble_fraction:.1%} — a model "
+          f"prediction. Open it in https://ui.perfetto.dev or chrome://tracing.")
+    if args.summary:
+        print(summarize_trace(trace))
+        print(render_text(trace))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from sppo_fx import demo
     parser = argparse.ArgumentParser(prog="sppo-fx", description=__doc__)
@@ -40,6 +110,21 @@ def main(argv: list[str] | None = None) -> int:
     p_explain.add_argument("--graphs", action="store_true", help="also print every transformed graph")
     p_explain.add_argument("--compile", action="store_true", help="compile with Inductor and list its generated code")
     p_explain.set_defaults(func=_explain)
+    p_plan = sub.add_parser("plan", help="what-if: the SPPO plan and predicted tokens/GPU/s of a "
+                                         "paper-scale model (analytic, no graph capture)")
+    _add_whatif_arguments(p_plan)
+    p_plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p_plan.set_defaults(func=_plan)
+    p_trace = sub.add_parser("trace", help="write the simulated Chrome/Perfetto trace of the plan "
+                                           "that `plan` chooses")
+    _add_whatif_arguments(p_trace)
+    p_trace.add_argument("--out", default="trace.json", help="output JSON file")
+    p_trace.add_argument("--policy", default="sppo",
+                         choices=["sppo", "full_recompute", "naive_full_offload",
+                                  "uniform_no_adaptive_offload"],
+                         help="whose plan to trace")
+    p_trace.add_argument("--summary", action="store_true", help="also print a text summary and an ASCII timeline of the trace")
+    p_trace.set_defaults(func=_trace)
     args = parser.parse_args(argv)
     return args.func(args)
 

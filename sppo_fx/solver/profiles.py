@@ -1,0 +1,422 @@
+"""Device profiles: the rates the solver turns FLOPs and bytes into seconds.
+
+A `DeviceProfile` holds what one accelerator (or the CPU) achieves: matmul FLOP/s, the
+device<->host copy bandwidths, the disk bandwidths of the offload tier and the device
+memory. Chunks shorter than a few thousand tokens run matmuls below peak, which the
+profile models with a saturating efficiency curve
+
+    efficiency(n) = n / (n + n_half)        (n = tokens per chunk; 0.5 at n = n_half)
+
+so that the effective rate of a chunk of n tokens is `flops_per_s * efficiency(n)`.
+
+Built-in profiles use public spec figures, scaled to what training actually achieves:
+
+    name        dense bf16 peak   x MFU 0.5    PCIe (effective)  NVMe      memory
+    a100-80gb   312 TFLOP/s       156 TFLOP/s  gen4 ~25 GB/s     ~5 GB/s   80 GiB
+    h100        989 TFLOP/s       495 TFLOP/s  gen5 ~50 GB/s     ~5 GB/s   79.6 GiB (81559 MiB)
+    h200        989 TFLOP/s       495 TFLOP/s  gen5 ~50 GB/s     ~5 GB/s   140.4 GiB (143771 MiB)
+
+(memory is what the driver reports for the 80 GB / 141 GB parts; `n_half` is a rough
+figure: faster devices need longer chunks to saturate.) `calibrate()` measures the same
+quantities on the current machine in a couple of seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+import time
+
+from tabulate import tabulate
+
+from sppo_fx.errors import SppoError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclasses.dataclass
+class DeviceProfile:
+    """Achievable rates and capacity of one device.
+
+    Attributes:
+        name: profile name ("h100", "calibrated-cpu", ...).
+        flops_per_s: dense matmul FLOP/s achievable on long chunks (the asymptote of the
+            efficiency curve), in the training dtype (bf16 on GPUs, fp32 on CPU).
+        d2h_bytes_per_s: device -> host copy bandwidth (pinned memory).
+        h2d_bytes_per_s: host -> device copy bandwidth (pinned memory).
+        disk_write_bytes_per_s: write bandwidth of the disk tier.
+        disk_read_bytes_per_s: read bandwidth of the disk tier.
+        memory_bytes: device memory (bytes).
+        n_half: tokens per chunk at which compute efficiency is 0.5 (see `efficiency`).
+        source: where the figures come from ("spec", "calibrate(...)", a file, ...).
+    """
+
+    name: str
+    flops_per_s: float
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    disk_write_bytes_per_s: float
+    disk_read_bytes_per_s: float
+    memory_bytes: int
+    n_half: float = 512.0
+    source: str = ""
+
+    def efficiency(self, tokens_per_chunk: float) -> float:
+        """Fraction of `flops_per_s` reached by a chunk of this many tokens.
+
+        Args:
+            tokens_per_chunk: tokens in the chunk (per sequence in the batch times batch).
+
+        Returns:
+            n / (n + n_half), in [0, 1); 0 for n <= 0.
+        """
+        n = float(tokens_per_chunk)
+        if n <= 0:
+            return 0.0
+        return n / (n + max(float(self.n_half), 0.0))
+
+    def compute_seconds(self, flops: float, tokens_per_chunk: float) -> float:
+        """Seconds to run `flops` FLOPs in chunks of `tokens_per_chunk` tokens.
+
+        Args:
+            flops: FLOPs to run.
+            tokens_per_chunk: chunk size that sets the efficiency.
+
+        Returns:
+            flops / (flops_per_s * efficiency); inf for an empty chunk with work to do.
+        """
+        eff = self.efficiency(tokens_per_chunk)
+        if flops <= 0:
+            return 0.0
+        return float("inf") if eff <= 0 else flops / (self.flops_per_s * eff)
+
+    def copy_seconds(self, nbytes: float, direction: str) -> float:
+        """Seconds to move `nbytes` one way.
+
+        Args:
+            nbytes: bytes to move.
+            direction: "d2h", "h2d", "disk_write" or "disk_read".
+
+        Returns:
+            nbytes / bandwidth.
+        """
+        rates = {"d2h": self.d2h_bytes_per_s, "h2d": self.h2d_bytes_per_s,
+                 "disk_write": self.disk_write_bytes_per_s, "disk_read": self.disk_read_bytes_per_s}
+        if direction not in rates:
+            raise SppoError(f"unknown copy direction {direction!r}; choose one of {sorted(rates)}")
+        return float(nbytes) / rates[direction]
+
+    def to_dict(self) -> dict:
+        """The fields as a plain dict."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """JSON text (round-trips through `from_json`)."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DeviceProfile":
+        """Build from a dict; unknown keys raise `SppoError` naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise SppoError(f"unknown DeviceProfile field(s) {unknown}; known: {sorted(names)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING and f.name not in data)
+        if missing:
+            raise SppoError(f"DeviceProfile is missing field(s) {missing}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DeviceProfile":
+        """Parse `to_json` output."""
+        return cls.from_dict(json.loads(text))
+
+    def table(self) -> str:
+        """A two-column table with human units."""
+        rows = [
+            ("name", self.name),
+            ("matmul", f"{self.flops_per_s / 1e12:.3f} TFLOP/s"),
+            ("efficiency", f"n/(n + {self.n_half:g}): {self.efficiency(1024):.2f} at 1K tokens, "
+                           f"{self.efficiency(8192):.2f} at 8K"),
+            ("device -> host", f"{self.d2h_bytes_per_s / 1e9:.2f} GB/s"),
+            ("host -> device", f"{self.h2d_bytes_per_s / 1e9:.2f} GB/s"),
+            ("disk write", f"{self.disk_write_bytes_per_s / 1e9:.2f} GB/s"),
+            ("disk read", f"{self.disk_read_bytes_per_s / 1e9:.2f} GB/s"),
+            ("memory", f"{self.memory_bytes / GiB:.1f} GiB"),
+            ("source", self.source),
+        ]
+        return tabulate(rows, tablefmt="plain")
+
+    def __str__(self):
+        return self.table()
+
+
+def _spec(name, peak_tflops, mfu, pcie_gbs, nvme_gbs, memory_bytes, n_half):
+    return DeviceProfile(
+        name=name, flops_per_s=peak_tflops * 1e12 * mfu, d2h_bytes_per_s=pcie_gbs * 1e9,
+        h2d_bytes_per_s=pcie_gbs * 1e9, disk_write_bytes_per_s=nvme_gbs * 1e9,
+        disk_read_bytes_per_s=nvme_gbs * 1e9, memory_bytes=int(memory_bytes), n_half=n_half,
+        source=f"spec: {peak_tflops:g} TFLOP/s dense bf16 x MFU {mfu:g}, PCIe {pcie_gbs:g} GB/s, "
+               f"NVMe {nvme_gbs:g} GB/s")
+
+
+#: Built-in profiles (public spec figures, MFU 0.5).
+PROFILES: dict[str, DeviceProfile] = {
+    "a100-80gb": _spec("a100-80gb", 312, 0.5, 25, 5, 80 * GiB, 256),
+    "h100": _spec("h100", 989, 0.5, 50, 5, 81559 * MiB, 512),
+    "h200": _spec("h200", 989, 0.5, 50, 5, 143771 * MiB, 512),
+}
+
+
+def get_profile(name: str) -> DeviceProfile:
+    """A built-in profile by name (a copy: changing it does not change the built-in).
+
+    Args:
+        name: one of `PROFILES` (case-insensitive; "a100" means "a100-80gb").
+
+    Returns:
+        The `DeviceProfile`. Raises `SppoError` listing the names for an unknown one.
+    """
+    key = name.strip().lower()
+    key = {"a100": "a100-80gb", "a100-80g": "a100-80gb"}.get(key, key)
+    if key not in PROFILES:
+        raise SppoError(f"unknown device profile {name!r}; built-in profiles: {', '.join(sorted(PROFILES))} "
+                        "(or measure this machine with sppo_fx.solver.calibrate())")
+    return dataclasses.replace(PROFILES[key])
+
+
+def profiles_table(profiles: list[DeviceProfile] | None = None) -> str:
+    """One row per profile (default: the built-ins)."""
+    profiles = list(PROFILES.values()) if profiles is None else profiles
+    rows = [(pr.name, f"{pr.flops_per_s / 1e12:.1f}", f"{pr.d2h_bytes_per_s / 1e9:.1f}",
+             f"{pr.h2d_bytes_per_s / 1e9:.1f}", f"{pr.disk_write_bytes_per_s / 1e9:.1f}",
+             f"{pr.disk_read_bytes_per_s / 1e9:.1f}", f"{pr.memory_bytes / GiB:.1f}", f"{pr.n_half:g}")
+            for pr in profiles]
+    return tabulate(rows, headers=["profile", "TFLOP/s", "D2H GB/s", "H2D GB/s", "disk W GB/s",
+                                   "disk R GB/s", "memory GiB", "n_half"])
+
+
+# ------------------------------------------------------------------------ calibration
+
+
+def _timer(device):
+    """(start(), stop() -> seconds) measuring device work (CUDA events on CUDA)."""
+    import torch
+
+    if device.type == "cuda":
+        def start():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+
+        def stop(ev):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return ev.elapsed_time(end) / 1e3
+    else:
+        def start():
+            return time.perf_counter()
+
+        def stop(t0):
+            return time.perf_counter() - t0
+    return start, stop
+
+
+def _repeat(fn, budget_s: float, device, min_reps: int = 2, max_reps: int = 200) -> float:
+    """Best seconds per call of fn() within roughly `budget_s` (after one warm-up call)."""
+    start, stop = _timer(device)
+    fn()
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+    best, spent, reps = float("inf"), 0.0, 0
+    t_end = time.perf_counter() + budget_s
+    while reps < min_reps or (time.perf_counter() < t_end and reps < max_reps):
+        t0 = start()
+        fn()
+        dt = stop(t0)
+        best, spent, reps = min(best, dt), spent + dt, reps + 1
+    return max(best, 1e-9)
+
+
+def _repeat_round_robin(fns, budget_s: float, device, min_rounds: int = 2, max_rounds: int = 500) -> list[float]:
+    """Best seconds per call of each fn, measured in interleaved rounds within ~`budget_s`.
+
+    Interleaving spreads transient contention (other processes) over all the functions
+    instead of penalising whichever ran during it.
+    """
+    start, stop = _timer(device)
+    for fn in fns:
+        fn()
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+    best = [float("inf")] * len(fns)
+    t_end = time.perf_counter() + budget_s
+    rounds = 0
+    while rounds < min_rounds or (time.perf_counter() < t_end and rounds < max_rounds):
+        for i, fn in enumerate(fns):
+            t0 = start()
+            fn()
+            best[i] = min(best[i], stop(t0))
+        rounds += 1
+    return [max(t, 1e-9) for t in best]
+
+
+def _fit_saturating(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit rate(n) = R * n / (n + h) to (n, rate) points; returns (R, h).
+
+    1 / rate = 1/R + (h/R) / n is linear in 1/n: least squares on that line, clamped so that
+    R is at least the best measured rate and h >= 0.
+    """
+    best = max(r for _, r in points)
+    if len(points) < 2:
+        return best, 0.0
+    xs = [1.0 / n for n, _ in points]
+    ys = [1.0 / r for _, r in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    intercept = my - slope * mx
+    if intercept <= 0 or slope < 0:
+        return best, 0.0
+    rate, h = 1.0 / intercept, slope / intercept
+    if rate < best:
+        rate = best
+        # keep the curve through the best point: h from R and that point
+        n_b, r_b = max(points, key=lambda q: q[1])
+        h = max(n_b * (rate / r_b - 1.0), 0.0)
+    return rate, h
+
+
+def _memory_bytes(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text.isdigit():
+                total = min(total, int(text))
+        except OSError:
+            pass
+    return int(total)
+
+
+def _measure_disk(dir: str | None, nbytes: int) -> tuple[float, float]:
+    """(write, read) bytes/s of a temp file: write + fsync, drop it from the page cache, read."""
+    fd, path = tempfile.mkstemp(prefix="sppo_calibrate_", dir=dir)
+    try:
+        block = 8 * MiB
+        data = memoryview(os.urandom(block))  # incompressible, written nbytes / block times
+        t0 = time.perf_counter()
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, data[:min(block, left)])
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the cache
+        os.lseek(fd, 0, os.SEEK_SET)
+        t0 = time.perf_counter()
+        got = 0
+        while got < nbytes:
+            chunk = os.read(fd, block)
+            if not chunk:
+                break
+            got += len(chunk)
+        read_s = time.perf_counter() - t0
+        if got != nbytes:
+            raise SppoError(f"calibrate: read back {got} of {nbytes} bytes from {path}")
+        return nbytes / max(write_s, 1e-9), nbytes / max(read_s, 1e-9)
+    finally:
+        os.close(fd)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
+              name: str | None = None) -> DeviceProfile:
+    """Measure this machine's profile in about `seconds` seconds.
+
+    Measures (budget split roughly 45% matmul, 25% copies, 30% disk):
+      * matmul FLOP/s of [n, d] x [d, d] for several token counts n (fp32 on CPU, bf16 on
+        CUDA), fitted to rate(n) = flops_per_s * n / (n + n_half);
+      * copy bandwidth: on CPU a memcpy between two buffers (device and host are the same
+        memory, so d2h = h2d = memcpy); on CUDA pinned-host <-> device copies timed with events;
+      * disk write (with fsync) and read (after dropping the file from the page cache with
+        posix_fadvise where available; on tmpfs/overlay this still measures memory) of a
+        temp file in `dir`, removed afterwards;
+      * memory: total device memory (CUDA) or physical RAM capped by the cgroup limit (CPU).
+
+    Args:
+        device: "cpu" or "cuda[:i]".
+        seconds: total time budget (sizes are small enough that 2 s suffice on 2 cores).
+        dir: directory for the disk test (default: the system temp dir).
+        name: profile name (default "calibrated-<device>").
+
+    Returns:
+        The measured `DeviceProfile`.
+    """
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SppoError("calibrate(device='cuda'): CUDA is not available on this machine; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise SppoError(f"calibrate: unsupported device {device!r}; use 'cpu' or 'cuda'")
+    seconds = max(float(seconds), 0.2)
+    t_start = time.perf_counter()
+
+    # Matmul rate vs tokens.
+    if dev.type == "cuda":
+        dtype, d, token_counts = torch.bfloat16, 4096, [256, 1024, 4096, 8192]
+    else:
+        dtype, d, token_counts = torch.float32, 512, [32, 128, 512, 1024]
+    w = torch.randn(d, d, dtype=dtype, device=dev)
+    xs = [torch.randn(n, d, dtype=dtype, device=dev) for n in token_counts]
+    times = _repeat_round_robin([functools.partial(torch.mm, x, w) for x in xs], 0.45 * seconds, dev)
+    rates = [2.0 * n * d * d / dt for n, dt in zip(token_counts, times)]
+    # The model is monotone in n; a larger chunk can always run as the smaller one did, so
+    # noise (a busy machine) is smoothed with a running maximum before the fit.
+    points = [(n, max(rates[:i + 1])) for i, n in enumerate(token_counts)]
+    del xs, w
+    flops, n_half = _fit_saturating(points)
+
+    # Copy bandwidth.
+    copy_budget = 0.125 * seconds
+    if dev.type == "cuda":
+        nbytes = 256 * MiB
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        devbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        d2h = nbytes / _repeat(lambda: host.copy_(devbuf, non_blocking=True), copy_budget, dev)
+        h2d = nbytes / _repeat(lambda: devbuf.copy_(host, non_blocking=True), copy_budget, dev)
+        del host, devbuf
+    else:
+        nbytes = 64 * MiB
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        h2d = d2h = nbytes / _repeat(lambda: dst.copy_(src), 2 * copy_budget, dev)
+        del src, dst
+
+    # Disk.
+    disk_bytes = 64 * MiB if seconds >= 1.0 else 16 * MiB
+    disk_w, disk_r = _measure_disk(dir, disk_bytes)
+
+    elapsed = time.perf_counter() - t_start
+    return DeviceProfile(
+        name=name or f"calibrated-{dev}", flops_per_s=float(flops), d2h_bytes_per_s=float(d2h),
+        h2d_bytes_per_s=float(h2d), disk_write_bytes_per_s=float(disk_w),
+        disk_read_bytes_per_s=float(disk_r), memory_bytes=_memory_bytes(dev), n_half=round(float(n_half), 1),
+        source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
+               f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")

@@ -1,0 +1,83 @@
+"""Device profiles (sppo_fx/solver/profiles.py): built-ins, efficiency curve, JSON, calibrate."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sppo_fx.errors import SppoError
+from sppo_fx.solver import PROFILES, DeviceProfile, calibrate, get_profile, profiles_table
+
+GiB = 1 << 30
+
+
+def test_builtin_profiles_use_spec_figures():
+    a100, h100, h200 = get_profile("a100-80gb"), get_profile("h100"), get_profile("h200")
+    assert a100.flops_per_s == pytest.approx(312e12 * 0.5)
+    assert h100.flops_per_s == pytest.approx(989e12 * 0.5) == h200.flops_per_s
+    assert a100.d2h_bytes_per_s == a100.h2d_bytes_per_s == 25e9
+    assert h100.d2h_bytes_per_s == h200.h2d_bytes_per_s == 50e9
+    assert all(pr.disk_write_bytes_per_s == pr.disk_read_bytes_per_s == 5e9 for pr in (a100, h100, h200))
+    assert a100.memory_bytes == 80 * GiB
+    assert 79 * GiB < h100.memory_bytes <= 80 * GiB
+    assert 139 * GiB < h200.memory_bytes <= 141 * GiB
+    assert get_profile("A100").name == "a100-80gb"
+    # get_profile returns a copy
+    h100.flops_per_s = 1.0
+    assert get_profile("h100").flops_per_s == pytest.approx(494.5e12)
+    assert set(PROFILES) == {"a100-80gb", "h100", "h200"}
+
+
+def test_unknown_profile_lists_names():
+    with pytest.raises(SppoError) as err:
+        get_profile("tpu-v5")
+    for name in ("a100-80gb", "h100", "h200", "calibrate"):
+        assert name in str(err.value)
+
+
+def test_efficiency_curve():
+    pr = get_profile("h100")
+    assert pr.efficiency(0) == 0.0
+    assert pr.efficiency(pr.n_half) == pytest.approx(0.5)
+    effs = [pr.efficiency(n) for n in (128, 1024, 4096, 16384)]
+    assert effs == sorted(effs) and effs[-1] < 1.0 and effs[-1] > 0.95
+    t_short = pr.compute_seconds(1e15, 256)
+    t_long = pr.compute_seconds(1e15, 16384)
+    assert t_short > t_long > 1e15 / pr.flops_per_s
+    assert pr.compute_seconds(0, 0) == 0.0
+    assert pr.copy_seconds(50e9, "d2h") == pytest.approx(1.0)
+    with pytest.raises(SppoError):
+        pr.copy_seconds(1, "sideways")
+
+
+def test_json_round_trip_and_table():
+    pr = get_profile("h200")
+    again = DeviceProfile.from_json(pr.to_json())
+    assert again == pr
+    with pytest.raises(SppoError, match="unknown DeviceProfile field"):
+        DeviceProfile.from_dict({**pr.to_dict(), "bogus": 1})
+    with pytest.raises(SppoError, match="missing"):
+        DeviceProfile.from_dict({"name": "x"})
+    text = pr.table()
+    assert "h200" in text and "TFLOP/s" in text and "GiB" in text
+    table = profiles_table()
+    assert all(name in table for name in PROFILES)
+
+
+def test_calibrate_cpu(tmp_path):
+    pr = calibrate("cpu", seconds=1.0, dir=str(tmp_path))
+    assert pr.flops_per_s > 1e8                       # anything that runs a matmul at all
+    assert pr.d2h_bytes_per_s == pr.h2d_bytes_per_s > 1e7
+    assert pr.disk_write_bytes_per_s > 1e6 and pr.disk_read_bytes_per_s > 1e6
+    assert pr.memory_bytes > 256 << 20
+    assert pr.n_half >= 0
+    assert os.listdir(tmp_path) == []                  # the temp file is gone
+    assert DeviceProfile.from_json(pr.to_json()) == pr
+    assert "calibrate" in pr.source
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_calibrate_cuda_without_cuda():
+    with pytest.raises(SppoError, match="CUDA is not available"):
+        calibrate("cuda")
