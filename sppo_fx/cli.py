@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                          help="whose plan to trace")
     p_trace.add_argument("--summary", action="store_true", help="also print a text summary and an ASCII timeline of the trace")
     p_trace.set_defaults(func=_trace)
+    from sppo_fx import benchgrid
+    p_bench = sub.add_parser("bench", help="a grid of pass configurations (chunks, offload tiers, stages, "
+                                           "compile), each run in its own process; table + JSON/CSV")
+    benchgrid.add_arguments(p_bench)
+    p_bench.set_defaults(func=benchgrid.main)
     args = parser.parse_args(argv)
     return args.func(args)
 
