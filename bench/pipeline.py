@@ -1,14 +1,17 @@
-"""Pipeline benchmark: measured vs predicted step time and bubble fraction.
+"""Pipeline benchmark: measured vs predicted step time and bubble fraction (P = 1 or more).
 
     python bench/pipeline.py [--stages 2] [--size small] [--seq-len 2048] [--chunks auto]
+    python bench/pipeline.py --stages 1 --size bench --seq-len 1024 --chunks 8
 
-1. Calibration (this process, 1 thread, as each torchrun rank has): the eager model's
-   forward+backward on the full sequence gives the FLOP rate; the same sequence through
-   sppo_fx's chunk programs on one process gives the per-chunk efficiency (c_half).
-2. The pipeline: P ranks on this machine (gloo), a warm-up step and timed steps; every rank
-   records each action's wall-clock span.
-3. Prediction: the same schedule simulated with durations from the cost model
-   (sppo_fx.solver.pipeline.predict).
+1. Calibration, out of sample (this process, one thread per rank as under torchrun): the
+   eager model's forward and forward+backward on the full sequence give the FLOP rate and
+   the backward/forward ratio; a *two-chunk* run through sppo_fx gives the per-chunk
+   efficiency (c_half). The measured configuration itself is never used to calibrate.
+2. The run: P ranks on this machine (gloo; P = 1 runs in this process), a warm-up step and
+   timed steps; every pipeline rank records each action's wall-clock span.
+3. Predictions of the same schedule with durations from the cost model: the schedule
+   validator's clock (`solver.pipeline.predict`) and the event simulator
+   (`solver.simulator.simulate`, compute stream per rank, links, copy engines).
 
 Measured bubble = 1 - (compute time summed over ranks) / (P * step time). On a 2-core
 machine with P = 2 each rank has one core; figures from such a small machine say whether
@@ -38,7 +41,9 @@ from sppo_fx.models import build  # noqa: E402
 from sppo_fx.passes import transform  # noqa: E402
 from sppo_fx.runtime.schedule import Action, ActionKind  # noqa: E402
 from sppo_fx.solver.partition import cost_model_from_graph  # noqa: E402
-from sppo_fx.solver.pipeline import ComputeModel, predict  # noqa: E402
+from sppo_fx.runtime.schedule import build_schedule  # noqa: E402
+from sppo_fx.solver.pipeline import ComputeModel, chunk_seconds, predict  # noqa: E402
+from sppo_fx.solver.simulator import simulate  # noqa: E402
 
 
 def _model(args):
@@ -123,58 +128,88 @@ def main():
     torch.set_num_threads(1)  # each rank gets one thread under torchrun / this launcher
     model = _model(args)
     x, y = _data(args, model)
-    cap = capture(model, None, None, (x[: args.batch // args.microbatches], y[: args.batch // args.microbatches]),
-                  {}, None, 1)
+    mb = args.batch // args.microbatches
+    cap = capture(model, None, None, (x[:mb], y[:mb]), {}, None, 1)
     graph, _ = transform(cap)
     cost = cost_model_from_graph(graph, cap.seq)
     T = args.seq_len
-    flops = cost.forward_flops(T, 0) * (1 + cost.backward_factor) * args.microbatches
+
+    # ---- calibration (never the measured configuration) ----
+    def eager_fwd():
+        with torch.no_grad():
+            model(x[:mb], y[:mb])
 
     def eager():
         model.zero_grad(set_to_none=True)
-        model(x, y).backward()
+        model(x[:mb], y[:mb]).backward()
 
-    t_eager = _timed(eager, 2)
-    rate = flops / t_eager
+    t_fwd, t_eager = _timed(eager_fwd, 2), _timed(eager, 2)
+    cost.backward_factor = max((t_eager - t_fwd) / t_fwd, 0.5)
+    rate = cost.forward_flops(T, 0) * (1 + cost.backward_factor) / t_eager
+    two = sppo_fx.compile(model, chunks=2, compile=False)
 
-    with tempfile.TemporaryDirectory() as out:
-        args.out = out
-        _launch(args, out)
-        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
-    lengths = ranks[0]["chunk_lengths"]
-
-    # per-chunk efficiency from one process running the same chunks
-    single = sppo_fx.compile(model, chunk_lengths=lengths, compile=False)
-
-    def chunked():
+    def chunked_two():
         model.zero_grad(set_to_none=True)
-        single(x, y).backward()
+        two(x[:mb], y[:mb]).backward()
 
-    t_chunked = _timed(chunked, 2)
-    c_mean = sum(lengths) / len(lengths)
-    eff = min(t_eager / t_chunked, 0.999)
-    c_half = c_mean * (1 / eff - 1)
+    t_two = _timed(chunked_two, 2)
+    lengths_two = two.plan.chunk_lengths
+    # t_two = sum over the two chunks of flops / (rate * c / (c + c_half)); solve for c_half
+    flops_two = [cost.forward_flops(c, s) * (1 + cost.backward_factor)
+                 for c, s in zip(lengths_two, [0, lengths_two[0]])]
+    base = sum(flops_two) / rate
+    extra = sum(f / c for f, c in zip(flops_two, lengths_two)) / rate
+    c_half = max((t_two - base) / extra, 0.0) if extra else 0.0
     compute = ComputeModel(rate, c_half)
-    pred = predict(cost, compute, lengths, args.stages, args.microbatches, args.schedule)
 
-    step = statistics.median([statistics.median(r["steps"]) for r in ranks])
-    busy = sum(r["busy_last"] for r in ranks)
-    bubble = 1 - busy / (args.stages * step)
+    # ---- the measured run ----
+    if args.stages == 1:
+        chunks = None if args.chunks == "auto" else int(args.chunks)
+        run = sppo_fx.compile(model, chunks=chunks, microbatches=args.microbatches, compile=False)
+        times = []
+        for _ in range(args.steps + 1):
+            model.zero_grad(set_to_none=True)
+            t = time.perf_counter()
+            run.step(x, y)
+            times.append(time.perf_counter() - t)
+        step, lengths = statistics.median(times[1:]), run.plan.chunk_lengths
+        busy, bubble = step, 0.0
+    else:
+        with tempfile.TemporaryDirectory() as out:
+            args.out = out
+            _launch(args, out)
+            ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
+        lengths = ranks[0]["chunk_lengths"]
+        step = statistics.median([statistics.median(r["steps"]) for r in ranks])
+        busy = sum(r["busy_last"] for r in ranks)
+        bubble = 1 - busy / (args.stages * step)
+
+    # ---- predictions ----
+    pred = predict(cost, compute, lengths, args.stages, args.microbatches, args.schedule)
+    times = chunk_seconds(cost, compute, lengths, args.stages)
+    sched = build_schedule(args.schedule, args.stages, args.microbatches, len(lengths))
+    sim = simulate(sched, lambda a: times[a.chunk][0] if a.kind is ActionKind.F else
+                   times[a.chunk][1] if a.kind is ActionKind.B else 0.0, link_bytes_per_s=None)
     rows = [
-        ("step time (s)", f"{step:.3f}", f"{pred.step_seconds:.3f}", f"{pred.step_seconds / step:.2f}"),
-        ("bubble fraction", f"{bubble:.1%}", f"{pred.bubble_fraction:.1%}", ""),
-        ("compute, all ranks (s)", f"{busy:.3f}", f"{pred.busy_seconds:.3f}", f"{pred.busy_seconds / busy:.2f}"),
+        ("step time (s)", f"{step:.3f}", f"{pred.step_seconds:.3f}", f"{sim.step_seconds:.3f}",
+         f"{sim.step_seconds / step:.2f}"),
+        ("bubble fraction", f"{bubble:.1%}", f"{pred.bubble_fraction:.1%}", f"{sim.bubble_fraction:.1%}", ""),
+        ("compute, all ranks (s)", f"{busy:.3f}", f"{pred.busy_seconds:.3f}", f"{sum(sim.busy_seconds.values()):.3f}",
+         f"{sum(sim.busy_seconds.values()) / busy:.2f}"),
     ]
     print(f"\nsppo_fx pipeline benchmark: {args.model}-{args.size}, T={T}, batch {args.batch}, "
           f"P={args.stages}, M={args.microbatches}, {args.schedule}, chunks {lengths}")
-    print(f"calibration (1 thread): eager fwd+bwd {t_eager:.3f} s -> {rate / 1e9:.2f} GFLOP/s; "
-          f"one-process chunked {t_chunked:.3f} s -> c_half {c_half:.0f} tokens")
-    print(tabulate(rows, headers=["", "measured", "predicted", "predicted / measured"]))
+    print(f"calibration (1 thread, out of sample): eager fwd {t_fwd:.3f} s, fwd+bwd {t_eager:.3f} s -> "
+          f"{rate / 1e9:.2f} GFLOP/s, backward/forward {cost.backward_factor:.2f}; 2-chunk run {t_two:.3f} s "
+          f"-> c_half {c_half:.0f} tokens")
+    print(tabulate(rows, headers=["", "measured", "predicted (schedule clock)", "predicted (simulator)",
+                                  "simulator / measured"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"measured_step_s": step, "predicted_step_s": pred.step_seconds, "measured_bubble": bubble,
-                       "predicted_bubble": pred.bubble_fraction, "chunk_lengths": lengths, "t_eager": t_eager,
-                       "t_chunked_single_process": t_chunked}, f, indent=1)
+            json.dump({"measured_step_s": step, "predicted_step_s": pred.step_seconds,
+                       "simulated_step_s": sim.step_seconds, "measured_bubble": bubble,
+                       "predicted_bubble": pred.bubble_fraction, "simulated_bubble": sim.bubble_fraction,
+                       "chunk_lengths": lengths, "t_eager": t_eager, "t_two_chunks": t_two}, f, indent=1)
 
 
 if __name__ == "__main__":
