@@ -44,7 +44,7 @@ class CompileOptions:
         chunks: number of sequence chunks (default: 4, or fewer for shorter sequences).
         chunk_lengths: explicit chunk lengths (must sum to the sequence length).
         seq_dim: the sequence dim of the inputs.
-        budget: per-device memory budget (bytes or "24GiB"); not implemented yet.
+        budget: peak extra bytes per device for a step (int or "24GiB"); None: no budget.
         log_passes: print each graph after its pass.
         compile: compile the chunk programs with Inductor (False runs the FX graphs eagerly,
             for debugging).
@@ -83,6 +83,8 @@ class _Entry:
     program: ChunkedProgram
     compiled_chunk: CompiledProgram | None = None
     cost: ChunkCostModel | None = None
+    memory: object = None  # solver.budget.MemoryModel, built when a budget is given
+    budget_plans: dict = dataclasses.field(default_factory=dict)
 
 
 class SppoCompiled:
@@ -99,6 +101,7 @@ class SppoCompiled:
         self.plan: Plan | None = None
         self.pipeline = None
         self._store = None
+        self.profile = None  # solver.profiles.DeviceProfile used by the budget solver
 
     # ---- planning -------------------------------------------------------------------
     def plan_for(self, seq_len: int, cost: ChunkCostModel | None = None) -> Plan:
@@ -143,10 +146,38 @@ class SppoCompiled:
         seq_len = lengths[0]
         if any(n != seq_len for n in lengths):
             raise SppoError(f"inputs disagree on the sequence length: {lengths}")
-        plan = self.plan_for(seq_len, entry.cost)
+        plan = self._budget_plan(entry, seq_len) if self.options.budget is not None else self.plan_for(seq_len, entry.cost)
         self.plan = plan
         params = [cap.param_value(name) for name in entry.program.params]
-        return chunked_loss(entry.program, params, tensors, plan, entry.compiled_chunk, self.store)
+        quota = None
+        if plan.offload_ratios is not None:
+            quota = {(0, i): a * entry.memory.level2(c, s) for i, (a, c, s) in
+                     enumerate(zip(plan.offload_ratios, plan.chunk_lengths, plan.starts))}
+        return chunked_loss(entry.program, params, tensors, plan, entry.compiled_chunk, self.store, quota)
+
+    def _budget_plan(self, entry: "_Entry", seq_len: int) -> Plan:
+        """Solve the budget for this sequence length (cached per length)."""
+        cached = entry.budget_plans.get(seq_len)
+        if cached is not None:
+            return cached
+        from sppo_fx.passes.cost import chunk_cost
+        from sppo_fx.solver.budget import MemoryModel, budget_plan, solve
+        from sppo_fx.solver.profiles import calibrate
+        o = self.options
+        if entry.memory is None:
+            params = [entry.captured.param_value(n) for n in entry.program.params]
+            cc = chunk_cost(entry.program, entry.captured.seq, params=params)
+            grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            entry.memory = MemoryModel.from_chunk_cost(cc, fixed_bytes=grads)
+        profile = self.profile or calibrate("cpu" if not torch.cuda.is_available() else "cuda", seconds=1.0,
+                                            dir=o.offload_dir)
+        self.profile = profile
+        bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
+        chosen = solve(entry.cost, entry.memory, seq_len, o.budget, rate=profile.flops_per_s, bandwidth=bandwidth,
+                       c_half=profile.n_half)
+        plan = budget_plan(seq_len, chosen, o.budget, o.offload)
+        entry.budget_plans[seq_len] = plan
+        return plan
 
     @property
     def store(self):
@@ -265,7 +296,10 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         chunks: number of sequence chunks (default 4, fewer for shorter sequences).
         chunk_lengths: explicit chunk lengths, summing to the sequence length.
         seq_dim: the sequence dim of the inputs.
-        budget: per-device memory budget; not implemented yet (raises SppoError).
+        budget: peak bytes a training step may add on the device (int or "12GiB"): the solver
+            chooses the chunks and which chunks' activations go to the `offload` tier
+            (default "disk"); a budget below the minimum raises InfeasibleBudget on the first
+            call, before any step, naming the minimum.
         log_passes: print each graph after its pass.
         compile: compile the chunk program with Inductor (C++ on CPU, Triton on GPU);
             False runs the FX graphs op by op, for debugging.
@@ -289,8 +323,13 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         decorator when `model` is omitted.
     """
     if budget is not None:
-        raise SppoError("budget= is not implemented yet in this version of sppo_fx; omit it "
-                        "and choose chunks= / chunk_lengths= instead")
+        from sppo_fx.solver.budget import parse_budget
+        budget = parse_budget(budget)
+        if chunks is not None or chunk_lengths is not None:
+            raise SppoError("give either budget= (the solver chooses the chunks) or chunks=/chunk_lengths=")
+        if stages != 1:
+            raise SppoError("budget= is solved for one device so far; with stages > 1 give chunks= and offload=")
+        offload = offload or "disk"
     if chunk_lengths is not None:
         chunk_lengths = [int(c) for c in chunk_lengths]
     options = CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths,

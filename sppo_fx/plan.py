@@ -19,13 +19,28 @@ class Plan:
     Attributes:
         seq_len: tokens in the sequence.
         chunk_lengths: tokens per chunk, in order; they sum to `seq_len`.
+        offload_ratios: per chunk, the fraction of its chunk-private saved activations
+            (level 2) that leaves the device; None: nothing is offloaded.
+        tier: where offloaded activations go ("disk", "host", "device").
+        budget_bytes: the memory budget the plan was solved for.
+        peak_bytes: predicted peak device bytes of a step.
+        step_seconds: predicted step time.
     """
 
     seq_len: int
     chunk_lengths: list[int]
+    offload_ratios: list[float] | None = None
+    tier: str | None = None
+    budget_bytes: int | None = None
+    peak_bytes: int | None = None
+    step_seconds: float | None = None
 
     def __post_init__(self):
         self.chunk_lengths = [int(c) for c in self.chunk_lengths]
+        if self.offload_ratios is not None:
+            self.offload_ratios = [float(a) for a in self.offload_ratios]
+            if len(self.offload_ratios) != len(self.chunk_lengths) or any(not 0 <= a <= 1 for a in self.offload_ratios):
+                raise SppoError(f"offload_ratios {self.offload_ratios} must give one value in [0, 1] per chunk")
         if any(c < 1 for c in self.chunk_lengths):
             raise SppoError(f"chunk lengths must be >= 1, got {self.chunk_lengths}")
         if sum(self.chunk_lengths) != self.seq_len:
@@ -49,8 +64,21 @@ class Plan:
         return [(s, s + c) for s, c in zip(self.starts, self.chunk_lengths)]
 
     def table(self) -> str:
-        rows = [(i, s, e, e - s, s) for i, (s, e) in enumerate(self.bounds())]
-        return tabulate(rows, headers=["chunk", "start", "end", "tokens", "K/V prefix"])
+        headers = ["chunk", "start", "end", "tokens", "K/V prefix"]
+        rows = [[i, s, e, e - s, s] for i, (s, e) in enumerate(self.bounds())]
+        if self.offload_ratios is not None:
+            headers.append(f"offloaded ({self.tier})")
+            for row, a in zip(rows, self.offload_ratios):
+                row.append(f"{a:.0%}")
+        text = tabulate(rows, headers=headers)
+        extra = []
+        if self.budget_bytes is not None:
+            extra.append(f"budget {self.budget_bytes / 2**20:.1f} MiB")
+        if self.peak_bytes is not None:
+            extra.append(f"predicted peak {self.peak_bytes / 2**20:.1f} MiB")
+        if self.step_seconds is not None:
+            extra.append(f"predicted step {self.step_seconds:.3g} s")
+        return text + ("\n" + ", ".join(extra) if extra else "")
 
     def __str__(self):
         return self.table()

@@ -103,9 +103,19 @@ def test_output_without_loss_names_the_fix():
         sppo_fx.compile(Logits(), chunks=2)(torch.zeros(1, 6, dtype=torch.long))
 
 
-def test_budget_is_not_silently_ignored():
-    with pytest.raises(SppoError, match="budget= is not implemented"):
-        sppo_fx.compile(build("gpt"), budget="1GiB")
+def test_budget_below_minimum_is_refused_before_any_step():
+    model = build("llama")
+    x = torch.randint(0, 97, (1, 64))
+    with pytest.raises(sppo_fx.InfeasibleBudget) as err:
+        sppo_fx.compile(model, budget=1000, compile=False)(x, x)
+    assert err.value.minimum_bytes > 1000
+    assert f"{err.value.minimum_bytes / 2**20:.1f} MiB" in str(err.value)
+    assert _no_grads(model)
+
+
+def test_unreadable_budget_names_the_accepted_forms():
+    with pytest.raises(SppoError, match="'24GiB'"):
+        sppo_fx.compile(build("gpt"), budget="lots")
 
 
 def test_decorated_function_needs_model_first():

@@ -55,8 +55,10 @@ class StageRunner:
         store: the ActivationStore that offloaded chunks' saved activations go to.
         offload: which (micro-batch, chunk) pairs offload their saved activations (level 2:
             everything the chunk saves for its own backward except parameters and its K/V
-            prefix inputs); None with a store means every chunk but the last of each
-            micro-batch (it is the first to run backward).
+            prefix inputs): a set (all of them), or a dict {(micro-batch, chunk): byte
+            quota} (tensors are offloaded in the order saved while they fit the quota); None
+            with a store means every chunk but the last of each micro-batch (it is the first
+            to run backward).
         min_offload_bytes: saved tensors smaller than this stay on the device.
     """
 
@@ -115,7 +117,7 @@ class StageRunner:
         scope = None
         with torch.set_grad_enabled(self.needs_grad):
             if self.offloads(mb, i):
-                with self.store.scope() as scope, self.store.saved_tensor_hooks(self.min_offload_bytes):
+                with self.store.scope() as scope, self._hooks(mb, i):
                     outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
             else:
                 outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
@@ -124,13 +126,32 @@ class StageRunner:
                                   prefix, recv_leaves, scope)
         return [t.detach() for t in m.states[i].sends]
 
+    def _hooks(self, mb: int, i: int):
+        quota = self.offload.get((mb, i)) if isinstance(self.offload, dict) else None
+        if quota is None:
+            return self.store.saved_tensor_hooks(self.min_offload_bytes)
+        store, left, min_bytes = self.store, [quota], self.min_offload_bytes
+
+        def pack(t):
+            n = t.numel() * t.element_size()
+            if (t.layout != torch.strided or (t.is_leaf and t.requires_grad) or n < min_bytes or n > left[0]
+                    or type(t) is not torch.Tensor):
+                return t
+            left[0] -= n
+            return store.offload(t)
+
+        def unpack(obj):
+            return obj if isinstance(obj, torch.Tensor) else store.wait(obj)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
     def offloads(self, mb: int, i: int) -> bool:
         """Whether chunk `i` of micro-batch `mb` offloads its saved activations."""
         if self.store is None or not self.needs_grad:
             return False
         if self.offload is None:
             return i < self.plan.num_chunks - 1
-        return (mb, i) in self.offload
+        return (mb, i) in self.offload and (not isinstance(self.offload, dict) or self.offload[(mb, i)] > 0)
 
     def prefetch(self, mb: int, i: int):
         """Start bringing chunk i's offloaded activations back (no-op if none)."""
@@ -246,7 +267,8 @@ class _ChunkedLoss(torch.autograd.Function):
 
 
 def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: list[torch.Tensor],
-                 plan: Plan, chunk_fn=None, store=None, offload=None) -> torch.Tensor:
+                 plan: Plan, chunk_fn=None, store=None, offload=None, min_offload_bytes: int = 1 << 16
+                 ) -> torch.Tensor:
     """Run the chunk programs over `plan`; the result backpropagates into `params`.
 
     Args:
@@ -256,15 +278,16 @@ def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: li
         plan: the chunk partition.
         chunk_fn: what runs the chunk program (default: the GraphModule itself, eagerly;
             `codegen.CompiledProgram` for Inductor).
-        store / offload: where and which chunks' saved activations are offloaded (see
-            StageRunner); offloading changes where tensors live, never the arithmetic.
+        store / offload / min_offload_bytes: where and which chunks' saved activations are
+            offloaded (see StageRunner); offloading changes where tensors live, never the
+            arithmetic.
 
     Returns:
         The scalar loss (equal to the eager model's on the full sequence).
     """
     grad_params = [p for p in params if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and bool(grad_params)
-    runner = StageRunner(program, params, plan, chunk_fn, needs_grad, store, offload)
+    runner = StageRunner(program, params, plan, chunk_fn, needs_grad, store, offload, min_offload_bytes)
     runner.start(0, inputs)
     if not needs_grad:
         for i in range(plan.num_chunks):

@@ -1,0 +1,161 @@
+"""The budget solver and budget-driven offload plans."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sppo_fx
+from sppo_fx import InfeasibleBudget, Plan, SppoError
+from sppo_fx.capture import capture
+from sppo_fx.models import build
+from sppo_fx.passes import transform
+from sppo_fx.runtime.local import chunked_loss
+from sppo_fx.runtime.store import ActivationStore
+from sppo_fx.solver.budget import MemoryModel, parse_budget, predict_peak, solve
+from sppo_fx.solver.partition import ChunkCostModel
+
+COST = ChunkCostModel(per_token=1e7, per_pair=1e3)
+# 1 KiB of K/V and 16 KiB of other saved activations per token, plus a prefix-sized term
+MEM = MemoryModel(level1=lambda c, p: 1024 * c, level2=lambda c, p: 16384 * c + 64 * (p + c), fixed_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("text,expected", [("12GiB", 12 * 2**30), ("500MiB", 500 * 2**20), ("1.5GB", 1_500_000_000),
+                                           (4096, 4096), ("7 kib", 7168)])
+def test_parse_budget(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1GiB", 0, "12XB", True])
+def test_parse_budget_rejects(bad):
+    with pytest.raises(SppoError):
+        parse_budget(bad)
+
+
+def test_offloading_lowers_the_predicted_peak():
+    lengths = [256] * 8
+    keep = predict_peak(MEM, lengths, [0.0] * 8)
+    off = predict_peak(MEM, lengths, [1.0] * 7 + [0.0])
+    assert off < keep / 2.5  # two chunks of activations (current + prefetched) instead of eight
+
+
+def test_solver_fits_the_budget_and_offloads_earliest_chunks_first():
+    keep_all = predict_peak(MEM, [2048], [0.0])
+    chosen = solve(COST, MEM, 2048, keep_all // 3, rate=1e12, bandwidth=1e7)
+    assert chosen.peak_bytes <= keep_all // 3
+    assert chosen.ratios[-1] == 0.0
+    full = [a == 1.0 for a in chosen.ratios]
+    assert any(full) and full == sorted(full, reverse=True)  # the earliest chunks leave the device first
+    assert predict_peak(MEM, chosen.lengths, chosen.ratios) == chosen.peak_bytes
+
+
+def test_copies_that_hide_behind_compute_are_offloaded_even_without_memory_pressure():
+    chosen = solve(COST, MEM, 2048, 10**12, rate=1e9, bandwidth=1e12)  # fast link, huge budget
+    assert all(a == 1.0 for a in chosen.ratios[:-1]) or len(chosen.ratios) == 1
+
+
+def test_infeasible_budget_names_the_minimum():
+    with pytest.raises(InfeasibleBudget) as err:
+        solve(COST, MEM, 2048, 1000, rate=1e12, bandwidth=1e9)
+    minimum = err.value.minimum_bytes
+    assert minimum > 1000 and f"{minimum / 2**20:.1f} MiB" in str(err.value)
+    solve(COST, MEM, 2048, minimum, rate=1e12, bandwidth=1e9)  # the minimum itself is feasible
+
+
+def test_plan_with_offload_round_trips_and_prints():
+    plan = Plan(10, [6, 4], offload_ratios=[0.5, 0.0], tier="disk", budget_bytes=2**20, peak_bytes=2**19,
+                step_seconds=1.5)
+    assert Plan.from_json(plan.to_json()) == plan
+    text = plan.table()
+    assert "50%" in text and "budget 1.0 MiB" in text and "predicted peak 0.5 MiB" in text
+    with pytest.raises(SppoError):
+        Plan(10, [6, 4], offload_ratios=[1.5, 0.0])
+
+
+@functools.lru_cache(maxsize=None)
+def _program(kind):
+    model = build(kind, "tiny", **({"n_embd": 128} if kind == "gpt" else {"dim": 128, "ffn_dim": 256}))
+    x = torch.randint(0, 97, (2, 64))
+    cap = capture(model, None, None, (x, x), {}, None, 1)
+    return model, cap, transform(cap)[1]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["gpt", "llama"]), cuts=st.sets(st.integers(1, 63), min_size=1, max_size=5),
+       quotas=st.lists(st.sampled_from([0, 1, 2**14, 2**18, None]), min_size=6, max_size=6), seed=st.integers(0, 99))
+def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, quotas, seed):
+    """Any plan (random chunking, random byte quotas per chunk, None = every saved tensor)
+    gives bitwise the same loss and gradients as the same chunking without offload."""
+    model, cap, program = _program(kind)
+    torch.manual_seed(seed)
+    x, y = torch.randint(0, 97, (2, 64)), torch.randint(0, 97, (2, 64))
+    bounds = [0, *sorted(cuts), 64]
+    plan = Plan(64, [b - a for a, b in zip(bounds, bounds[1:])])
+    params = [cap.param_value(n) for n in program.params]
+
+    def grads_of(loss):
+        loss.backward()
+        out = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    ref_loss = chunked_loss(program, params, [x, y], plan)
+    ref = grads_of(ref_loss)
+    offload = {(0, i): (float("inf") if q is None else q) for i, q in enumerate(quotas[:plan.num_chunks])}
+    with ActivationStore("disk", dir=str(tmp_path_factory.mktemp("store"))) as store:
+        loss = chunked_loss(program, params, [x, y], plan, store=store, offload=offload, min_offload_bytes=0)
+        got = grads_of(loss)
+        assert store.bytes_offloaded == 0
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_every_saved_tensor_on_disk_through_the_api(tmp_path):
+    model, _, _ = _program("llama")
+    x, y = torch.randint(0, 97, (2, 64)), torch.randint(0, 97, (2, 64))
+    plain = sppo_fx.compile(model, chunks=4, compile=False)
+    loss = plain(x, y)
+    loss.backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    offloaded = sppo_fx.compile(model, chunks=4, compile=False, offload="disk", offload_dir=str(tmp_path))
+    loss2 = offloaded(x, y)
+    loss2.backward()
+    assert torch.equal(loss, loss2) and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), ref))
+
+
+def test_budget_api_plans_offload_and_stays_exact(tmp_path):
+    torch.manual_seed(0)
+    model = build("llama", "tiny", dim=128, ffn_dim=256)
+    x, y = torch.randint(0, 97, (1, 512)), torch.randint(0, 97, (1, 512))
+    ref = model(x, y)
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    probe = sppo_fx.compile(model, budget="10GiB", compile=False, offload_dir=str(tmp_path))
+    probe(x, y)  # a generous budget: learn the memory model and the minimum
+    minimum = min(solve_min(probe, 512), 10 * 2**30)
+    budget = int(minimum * 1.2)
+    compiled = sppo_fx.compile(model, budget=budget, compile=False, offload_dir=str(tmp_path))
+    compiled.profile = probe.profile
+    loss = compiled(x, y)
+    plan = compiled.plan
+    assert plan.peak_bytes <= budget and plan.offload_ratios[-1] == 0 and max(plan.offload_ratios) > 0
+    assert "offloaded (disk)" in str(plan)
+    loss.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
+    for p, g in zip(model.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+
+
+def solve_min(compiled, seq_len):
+    entry = compiled._last
+    try:
+        solve(entry.cost, entry.memory, seq_len, 1, rate=1e12, bandwidth=1e9)
+    except InfeasibleBudget as e:
+        return e.minimum_bytes
+    raise AssertionError("a 1-byte budget was feasible")
