@@ -359,6 +359,12 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         temp file in `dir`, removed afterwards;
       * memory: total device memory (CUDA) or physical RAM capped by the cgroup limit (CPU).
 
+    The figures are what the machine does *now*: on a CPU shared with other busy processes,
+    OpenMP threads get descheduled and matmuls run 5-100x slower for whole seconds (seen on
+    a 2-core test machine: ~200 GFLOP/s idle, 1-35 GFLOP/s while another process used a
+    core), which also inflates `n_half`. Calibrate on an otherwise idle machine, with the
+    thread count training will use (`torch.get_num_threads()`, recorded in `source`).
+
     Args:
         device: "cpu" or "cuda[:i]".
         seconds: total time budget (sizes are small enough that 2 s suffice on 2 cores).
@@ -419,4 +425,5 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         h2d_bytes_per_s=float(h2d), disk_write_bytes_per_s=float(disk_w),
         disk_read_bytes_per_s=float(disk_r), memory_bytes=_memory_bytes(dev), n_half=round(float(n_half), 1),
         source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
+               f"{torch.get_num_threads()} threads, "
                f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")
