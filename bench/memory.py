@@ -16,6 +16,9 @@ after the warm-up) minus its RSS just before the timed steps with gradients free
 activations, temporaries and parameter gradients all count; predicted peak (sppo_fx's plan);
 the largest gradient difference from eager.
 
+Each worker runs with MALLOC_MMAP_THRESHOLD_=131072 so that glibc returns large freed
+blocks to the OS and RSS follows the live tensors.
+
 Tolerance for "measured ≤ budget": the budget covers what the plan predicts; RSS also holds
 what no plan controls — malloc's retained free chunks below the mmap threshold, the disk
 tier's thread stacks and I/O buffers, Python objects of the autograd graph. The benchmark
@@ -67,7 +70,8 @@ def worker(args):
             block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(block.forward)
         step = lambda: model(x, y).backward()  # noqa: E731
     elif name == "compile-amb":
-        torch._functorch.config.activation_memory_budget = 0.5
+        import torch._functorch.config as functorch_config
+        functorch_config.activation_memory_budget = 0.5
         compiled = torch.compile(model)
         step = lambda: compiled(x, y).backward()  # noqa: E731
     else:
@@ -128,7 +132,11 @@ def main():
             if args.offload_dir:
                 cmd += ["--offload-dir", args.offload_dir]
             print(f"running {name} ...", file=sys.stderr, flush=True)
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            # A fixed mmap threshold makes glibc return every large freed block to the OS,
+            # so RSS follows live tensors (its dynamic threshold would keep freed gradients
+            # resident and hide them from the next step's peak).
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if res.returncode:
                 results.append({"config": name, "error": res.stderr.strip().splitlines()[-1]})
                 continue

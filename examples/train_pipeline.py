@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="compile chunk programs with Inductor")
     p.add_argument("--offload", choices=["disk", "host", "device"], default=None,
                    help="offload every chunk's saved activations but the last's to this tier")
+    p.add_argument("--budget", default=None, help="per-rank memory budget (e.g. 64MiB): each rank plans its offload")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", default=None)
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
     chunks = None if lengths or args.chunks == "auto" else int(args.chunks)
     compiled = sppo_fx.compile(model, chunks=chunks, chunk_lengths=lengths,
                                stages=world, microbatches=args.microbatches, schedule=args.schedule,
-                               compile=args.compile, timeout_s=args.timeout, offload=args.offload)
+                               compile=args.compile, timeout_s=args.timeout, offload=args.offload,
+                               budget=args.budget)
     if args.fail_rank == rank:
         _inject_failure(args.fail_at)
     for step in range(args.steps):
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
         os.makedirs(args.dump, exist_ok=True)
         grads = {n: prm.grad for n, prm in model.named_parameters() if prm.grad is not None}
         torch.save({"loss": loss, "grads": grads, "blocks": [s.blocks for s in compiled.pipeline.stages],
-                    "chunk_lengths": compiled.plan.chunk_lengths},
+                    "chunk_lengths": compiled.plan.chunk_lengths, "offload_ratios": compiled.plan.offload_ratios},
                    os.path.join(args.dump, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
     return 0

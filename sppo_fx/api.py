@@ -299,7 +299,8 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         budget: peak bytes a training step may add on the device (int or "12GiB"): the solver
             chooses the chunks and which chunks' activations go to the `offload` tier
             (default "disk"); a budget below the minimum raises InfeasibleBudget on the first
-            call, before any step, naming the minimum.
+            call, before any step, naming the minimum. With stages > 1 the chunk lengths are
+            shared and every rank solves its own offload ratios for its stage.
         log_passes: print each graph after its pass.
         compile: compile the chunk program with Inductor (C++ on CPU, Triton on GPU);
             False runs the FX graphs op by op, for debugging.
@@ -325,10 +326,8 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
     if budget is not None:
         from sppo_fx.solver.budget import parse_budget
         budget = parse_budget(budget)
-        if chunks is not None or chunk_lengths is not None:
+        if stages == 1 and (chunks is not None or chunk_lengths is not None):
             raise SppoError("give either budget= (the solver chooses the chunks) or chunks=/chunk_lengths=")
-        if stages != 1:
-            raise SppoError("budget= is solved for one device so far; with stages > 1 give chunks= and offload=")
         offload = offload or "disk"
     if chunk_lengths is not None:
         chunk_lengths = [int(c) for c in chunk_lengths]

@@ -82,6 +82,7 @@ CASES = [
     ("llama", 2, 2, "auto", 2, "1f1b"),  # the pipeline solver picks N and the lengths
     ("llama", 2, 4, "4", 2, "1f1b+disk"),  # OFF/PRE/WAIT actions, activations on disk
     ("gpt", 4, 4, "3", 2, "gpipe+disk"),
+    ("llama", 2, 4, "4", 2, "1f1b+budget"),  # each rank solves its own offload plan
 ]
 
 
@@ -91,7 +92,7 @@ def test_pipeline_matches_eager(tmp_path, model, stages, layers, chunks, microba
     chunk_args = ["--chunk-lengths", chunks] if "," in chunks else ["--chunks", chunks]
     if "+" in schedule:
         schedule, tier = schedule.split("+")
-        chunk_args += ["--offload", tier]
+        chunk_args += ["--budget", "64MiB"] if tier == "budget" else ["--offload", tier]
     results = launch(stages, ["--model", model, "--layers", str(layers), "--seq-len", str(seq_len),
                               "--batch", str(batch), "--microbatches", str(microbatches),
                               "--schedule", schedule, "--dump", str(tmp_path), *chunk_args])
@@ -109,6 +110,8 @@ def test_pipeline_matches_eager(tmp_path, model, stages, layers, chunks, microba
     assert seen == set(ref_grads), f"no rank holds gradients for {set(ref_grads) - seen}"
     # each rank holds only its own stage's parameters (plus tied ones)
     assert all(len(d["grads"]) < len(ref_grads) for d in dumps)
+    if "--budget" in chunk_args:  # each rank's own plan: ratios per chunk, the last chunk offloads nothing
+        assert all(d["offload_ratios"] is not None and d["offload_ratios"][-1] == 0 for d in dumps)
     if chunks == "auto":  # every rank used the solver's choice for this model and pipeline
         assert all(d["chunk_lengths"] == _solver_choice(model, layers, seq_len, batch // microbatches, stages,
                                                          microbatches) for d in dumps)

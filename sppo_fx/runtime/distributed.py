@@ -59,10 +59,12 @@ def fingerprint(program: ChunkedProgram, param_shapes: dict[str, tuple], plan: P
     """What every rank must agree on, as short digests."""
     def digest(obj) -> str:
         return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    # memory actions are each rank's own business (its budget plan); the rest must match
+    comm = [[str(a) for a in acts if not a.kind.is_memory] for _r, acts in sorted(schedule.actions.items())]
     return {
         "model parameters": digest(sorted((k, list(v)) for k, v in param_shapes.items())),
         "plan (chunk lengths)": digest(plan.chunk_lengths),
-        "schedule": digest(str(schedule)),
+        "schedule": digest(comm),
         "micro-batch input shapes": digest(microbatch_shapes),
     }
 
@@ -92,16 +94,20 @@ class PipelineExecutor:
         shared: for parameters used by several stages (tied embeddings),
             {local param index: (global id, [ranks using it])}.
         store: the ActivationStore for the schedule's OFFLOAD/PREFETCH/WAIT actions.
+        offload_quota: {(micro-batch, chunk): bytes} this rank's budget plan offloads (None:
+            everything the offloaded chunks save).
     """
 
     def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], plan: Plan, schedule: Schedule,
                  rank: int, world: int, chunk_fn=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 shared: dict[int, tuple[int, list[int]]] | None = None, store=None):
+                 shared: dict[int, tuple[int, list[int]]] | None = None, store=None, offload_quota=None):
         self.program, self.params, self.plan, self.schedule = program, params, plan, schedule
         self.rank, self.world, self.chunk_fn, self.timeout_s = rank, world, chunk_fn, timeout_s
         self.shared = shared or {}
         self.store = store
         self.offload = {(a.microbatch, a.chunk) for a in schedule.actions[rank] if a.kind is ActionKind.OFFLOAD}
+        if offload_quota is not None:
+            self.offload = {key: offload_quota[key] for key in self.offload}
         self.M, self.N = schedule.num_microbatches, schedule.num_chunks
         self.is_first, self.is_last = rank == 0, rank == world - 1
         self._sends: list = []

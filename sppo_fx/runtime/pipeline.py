@@ -97,18 +97,63 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank:
     shared = {k: (shared_ids[cap.param_fqns[name][1]], users[cap.param_fqns[name][1]])
               for k, name in enumerate(program.params) if cap.param_fqns[name][1] in shared_ids}
     schedule = build_schedule(options.schedule, world, len(microbatches), plan.num_chunks)
-    if options.offload:
+    params = [cap.param_value(name) for name in program.params]
+    quota = None
+    if options.budget is not None:
+        # this rank's own plan: offload ratios for its stage's activations
+        plan, quota = rank_budget_plan(options, program, cap, params, plan, world, rank, len(microbatches), cost)
+        offload = {(rank, m, i) for (m, i), q in quota.items() if q > 0}
+        schedule = with_offload(schedule, offload)
+    elif options.offload:
         # every chunk but the last of each micro-batch (the first to run backward) on every stage
         schedule = with_offload(schedule, {(s, m, i) for s in range(world) for m in range(len(microbatches))
                                            for i in range(plan.num_chunks - 1)})
-    params = [cap.param_value(name) for name in program.params]
     shapes = [[list(t.shape) for t in flatten_call(*mb)[0] if isinstance(t, torch.Tensor)] for mb in microbatches]
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     check_agreement(fingerprint(program, param_shapes, plan, schedule, shapes), rank, world)
     chunk_fn = chunk_fn_factory(program.chunk) if chunk_fn_factory else None
     executor = PipelineExecutor(program, params, plan, schedule, rank, world, chunk_fn, options.timeout_s, shared,
-                                store)
+                                store, quota)
     return PipelineState(cap, stages, programs, executor, plan, prediction)
+
+
+def inflight_microbatches(schedule: str, stages: int, microbatches: int, chunks: int, stage: int) -> int:
+    """How many micro-batches' activations a stage can hold at once under the schedule."""
+    if schedule == "gpipe":
+        return microbatches
+    warmup = min(chunks - 1 + stages - 1 - stage, microbatches * chunks)  # 1F1B warm-up chunks
+    return min(microbatches, -(-(warmup + 1) // chunks))
+
+
+def rank_budget_plan(options, program, cap, params, plan: Plan, world: int, rank: int, microbatches: int, cost):
+    """Solve this rank's offload ratios for its stage under `options.budget`.
+
+    The chunk lengths are shared by every rank (they fix the communication); each rank
+    chooses its own ratios from its stage's memory model and its own calibrated device
+    profile. The budget is split evenly over the micro-batches whose activations the
+    schedule can keep in flight on this stage (an approximation: their chunks do not all
+    peak together).
+
+    Returns:
+        (this rank's Plan, {(micro-batch, chunk): offload byte quota}).
+    """
+    from sppo_fx.passes.cost import chunk_cost
+    from sppo_fx.solver.budget import MemoryModel, budget_plan, solve
+    from sppo_fx.solver.profiles import calibrate
+    cc = chunk_cost(program, cap.seq, params=params)
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    mem = MemoryModel.from_chunk_cost(cc, fixed_bytes=grads)
+    profile = calibrate("cuda" if torch.cuda.is_available() else "cpu", seconds=1.0, dir=options.offload_dir)
+    bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(options.offload,
+                                                                                           float("inf"))
+    inflight = inflight_microbatches(options.schedule, world, microbatches, plan.num_chunks, rank)
+    chosen = solve(cost.scaled(1.0 / world), mem, plan.seq_len, options.budget // inflight,
+                   rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half,
+                   chunk_counts=[plan.num_chunks], lengths_for=lambda n: list(plan.chunk_lengths))
+    rank_plan = budget_plan(plan.seq_len, chosen, options.budget, options.offload)
+    quota = {(m, i): a * mem.level2(c, s) for m in range(microbatches)
+             for i, (a, c, s) in enumerate(zip(rank_plan.offload_ratios, plan.chunk_lengths, plan.starts))}
+    return rank_plan, quota
 
 
 def _seq_len(microbatch: tuple, seq_dim: int) -> int:
