@@ -1,16 +1,25 @@
-"""Causal attention of one chunk's queries over its K/V prefix (reference path).
+"""Causal attention of one chunk's queries over its K/V prefix and its own K/V.
 
-q [b, h, c, d] attends to k, v [b, h_kv, p + c, d]; query row i sees keys 0..p+i
-(lower-right aligned, as `torch.nn.attention.bias.causal_lower_right`). The chunk pass
-emits calls to `chunk_causal_attention`. On a GPU it runs `sppo_fx.ops.chunk_attention`
-(the Triton kernel, visible to Inductor); on CPU it runs SDPA with a c x (p + c) boolean
-mask (ATen's CPU flash kernel, which measured faster here than the op's CPU path). Never
-a T x T mask.
+q [b, h, c, d] attends to the prefix k_p, v_p [b, h_kv, p, d] followed by the chunk's own
+k, v [b, h_kv, c, d]; query row i sees keys 0..p+i (lower-right aligned, as
+`torch.nn.attention.bias.causal_lower_right`). The chunk pass emits
+`prefix_causal_attention(q, k_prefix, k, v_prefix, v)`:
+
+* on a GPU it runs `sppo_fx.ops.chunk_attention` (the Triton kernel, visible to Inductor)
+  on the concatenated K/V;
+* on CPU it runs ATen's CPU flash-attention kernels with a c x (p + c) mask inside an
+  autograd.Function that saves only its inputs (the prefix is a view of the runtime's K/V
+  buffer), not the concatenation, so saved memory stays linear in the sequence length;
+  the concatenation is rebuilt transiently in backward.
+
+Never a T x T mask.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+_FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _triton_ready() -> bool:
@@ -18,8 +27,69 @@ def _triton_ready() -> bool:
     return HAS_TRITON
 
 
+def _expand(t, groups):
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _mask(c, n, dtype, device):
+    if n == c:
+        return True, None  # no prefix: the plain causal mask
+    visible = torch.ones(c, n, dtype=torch.bool, device=device).tril(n - c)
+    return False, torch.zeros(c, n, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+
+
+class _PrefixAttentionCPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_prefix, k, v_prefix, v, scale):
+        groups = q.shape[1] // k.shape[1]
+        k_all, v_all = torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2)
+        is_causal, mask = _mask(q.shape[-2], k_all.shape[-2], q.dtype, q.device)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _expand(k_all, groups), _expand(v_all, groups), 0.0, is_causal, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k_prefix, k, v_prefix, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_prefix, k, v_prefix, v, out, lse = ctx.saved_tensors
+        groups = q.shape[1] // k.shape[1]
+        k_all, v_all = torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2)
+        is_causal, mask = _mask(q.shape[-2], k_all.shape[-2], q.dtype, q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.contiguous(), q, _expand(k_all, groups), _expand(v_all, groups), out, lse, 0.0, is_causal,
+            attn_mask=mask, scale=ctx.scale)
+        if groups > 1:
+            b, h_kv, n, d = k_all.shape
+            dk = dk.reshape(b, h_kv, groups, n, d).sum(2)
+            dv = dv.reshape(b, h_kv, groups, n, d).sum(2)
+        p = k_prefix.shape[-2]
+        return dq, dk[..., :p, :], dk[..., p:, :], dv[..., :p, :], dv[..., p:, :], None
+
+
+def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=False):
+    """Lower-right causal attention of a chunk over its K/V prefix and its own K/V.
+
+    Args:
+        q: [b, h, c, d] queries of the chunk.
+        k_prefix, v_prefix: [b, h_kv, p, d] keys/values of the earlier chunks (p may be 0).
+        k, v: [b, h_kv, c, d] the chunk's own keys/values.
+        scale: softmax scale (default 1/sqrt(d)).
+        enable_gqa: allow h_kv < h (grouped-query attention).
+
+    Returns:
+        [b, h, c, d] attention output.
+    """
+    if q.device.type != "cpu" and _triton_ready():
+        from sppo_fx.ops import chunk_attention
+        return chunk_attention(q, torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2), scale=scale)
+    if q.device.type == "cpu" and q.dtype in _FLASH_CPU_DTYPES:
+        return _PrefixAttentionCPU.apply(q, k_prefix, k, v_prefix, v, scale)
+    return chunk_causal_attention(q, torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2), scale, enable_gqa)
+
+
 def chunk_causal_attention(q, k, v, scale=None, enable_gqa=False):
-    """Lower-right causal attention over a K/V prefix.
+    """Lower-right causal attention over a concatenated K/V (prefix then chunk), with SDPA.
 
     Args:
         q: [b, h, c, d] queries of the chunk.
@@ -30,11 +100,6 @@ def chunk_causal_attention(q, k, v, scale=None, enable_gqa=False):
     Returns:
         [b, h, c, d] attention output.
     """
-    if q.device.type != "cpu" and _triton_ready():
-        # The Triton kernel (a torch.library.triton_op: Inductor sees through it) handles
-        # grouped-query heads and the lower-right mask itself.
-        from sppo_fx.ops import chunk_attention
-        return chunk_attention(q, k, v, scale=scale)
     c, kv_len = q.shape[-2], k.shape[-2]
     prefix = kv_len - c
     if prefix == 0:

@@ -25,7 +25,7 @@ def test_corpus_is_real_python_source():
 def test_explain_command(capsys):
     assert main(["explain", "--model", "gpt", "--seq-len", "32", "--chunks", "4", "--graphs"]) == 0
     out = capsys.readouterr().out
-    assert "Causal attention sites (2)" in out and "chunk_causal_attention" in out
+    assert "Causal attention sites (2)" in out and "prefix_causal_attention" in out
     assert "==== graph: epilogue ====" in out
 
 

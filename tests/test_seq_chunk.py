@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sppo_fx import SppoError
-from sppo_fx.attention import chunk_causal_attention
+from sppo_fx.attention import prefix_causal_attention
 from sppo_fx.passes.causal_mask import recognize_causal_masks
 from sppo_fx.passes.seq_chunk import chunk_program
 from sppo_fx.passes.seqdim import analyse
@@ -56,8 +56,10 @@ def test_chunk_program_rewrites(hand):
     prog = _program(hand, _attention_lm(hand))
     targets = _targets(prog.chunk)
     assert aten.scaled_dot_product_attention.default not in targets
-    assert chunk_causal_attention in targets
-    assert targets.count(aten.cat.default) == 2  # K and V prefixes
+    attn = next(n for n in prog.chunk.graph.nodes if n.target is prefix_causal_attention)
+    assert [a.name for a in attn.args[1::2]] == ["scaled_dot_product_attention_default_k_prefix",
+                                                 "scaled_dot_product_attention_default_v_prefix"]
+    assert aten.cat.default not in targets  # the prefix is never concatenated in the graph
     arange = next(n for n in prog.chunk.graph.nodes if n.target is aten.arange.start)
     assert arange.args[0].name == "chunk_start"
     ce = next(n for n in prog.chunk.graph.nodes if n.target is aten.cross_entropy_loss.default)

@@ -103,7 +103,15 @@ _MOVEMENT = {"cat", "stack", "clone", "contiguous", "_to_copy", "to", "copy", "c
              "new_full", "empty_strided", "rand", "randn", "rand_like", "randn_like",
              "repeat_interleave", "expand_copy", "tensor", "_unsafe_view", "clone_"}
 _ATTENTION_FUNCS = {"chunk_causal_attention", "chunk_attention", "reference_chunk_attention",
-                    "chunk_attention_with_lse"}
+                    "chunk_attention_with_lse", "prefix_causal_attention"}
+
+
+class _Concat:
+    """Stands for cat([prefix, chunk], -2) where only the shape is needed."""
+
+    def __init__(self, prefix, chunk):
+        ps, cs = shape_exprs(prefix), shape_exprs(chunk)
+        self.shape = (*cs[:-2], ps[-2] + cs[-2], cs[-1])
 
 
 # ----------------------------------------------------------------------------- data
@@ -295,6 +303,8 @@ def _target_str(target) -> str:
 def _expr(x) -> sympy.Expr:
     if isinstance(x, torch.SymInt):
         return sympy.sympify(x.node.expr)
+    if isinstance(x, sympy.Basic):
+        return x
     return sympy.Integer(int(x))
 
 
@@ -446,7 +456,11 @@ def node_cost(node: fx.Node, value_of: Callable[[fx.Node], object] | None = None
         kind, fwd, bwd = "view", zero, zero
     elif attn is not None:
         kind = "attention"
-        fwd = attention_flops(arg_val(0), arg_val(1), arg_val(2), attn)
+        if op == "prefix_causal_attention":  # (q, k_prefix, k, v_prefix, v): keys = prefix + chunk
+            k_all, v_all = _Concat(arg_val(1), arg_val(2)), _Concat(arg_val(3), arg_val(4))
+            fwd = attention_flops(arg_val(0), k_all, v_all, attn)
+        else:
+            fwd = attention_flops(arg_val(0), arg_val(1), arg_val(2), attn)
         bwd = sympy.Rational(5, 2) * fwd if differentiated else zero
     elif op in _MATMUL:
         kind = "matmul"

@@ -8,9 +8,9 @@ source, per sequence reduction):
     ──────────────                           ─────────────
     arange(T)                          ->    arange(chunk_start, chunk_start + chunk_len)
     buf[:T]                            ->    buf[chunk_start : chunk_start + chunk_len]
-    sdpa(q, k, v, is_causal=True)      ->    k_all = cat([k_prefix, k], -2)      (placeholders in)
-                                             v_all = cat([v_prefix, v], -2)
-                                             chunk_causal_attention(q, k_all, v_all)
+    sdpa(q, k, v, is_causal=True)      ->    k = contiguous(k); v = contiguous(v)
+                                             prefix_causal_attention(q, k_prefix, k, v_prefix, v)
+                                                                  (k_prefix, v_prefix: placeholders)
                                              k, v                               (outputs)
     cross_entropy(x, y, mean)          ->    cross_entropy(x, y, sum), sum(y != ignore_index)
     mean(x) / sum(x)                   ->    sum(x) [, numel(x)]                 (partials out)
@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch.utils._sympy.functions import FloorDiv
 
-from sppo_fx.attention import chunk_causal_attention
+from sppo_fx.attention import prefix_causal_attention
 from sppo_fx.errors import SppoError, describe_node, source_line
 from sppo_fx.passes.seqdim import SDPA, SIZE, _is_size_node, arg_expr, loss_reduction
 
@@ -388,10 +388,12 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
         elif r == "attention":
             q, k, v = (cb.get(a) for a in n.args[:3])
             kp, vp = prefixes[n]
-            k_all = cb.graph.call_function(aten.cat.default, ([kp, k], -2))
-            v_all = cb.graph.call_function(aten.cat.default, ([vp, v], -2))
+            # the chunk's own K/V leave the program as compact tensors (not views of e.g. a
+            # fused QKV buffer, which would keep the whole buffer alive)
+            k = cb.graph.call_function(aten.contiguous.default, (k,))
+            v = cb.graph.call_function(aten.contiguous.default, (v,))
             kwargs = {key: n.kwargs[key] for key in ("scale", "enable_gqa") if key in n.kwargs}
-            out = cb.graph.call_function(chunk_causal_attention, (q, k_all, v_all), kwargs)
+            out = cb.graph.call_function(prefix_causal_attention, (q, kp, k, vp, v), kwargs)
             cb.env[n] = _copy_meta(out, n)
             kv_out += [k, v]
             attention.append(AttentionSite(n.name, source_line(n), _prefix_shape(n.args[1], seq),

@@ -36,6 +36,7 @@ class _ChunkState:
 class _MicroBatch:
     def __init__(self, boundary):
         self.boundary = boundary
+        self.kv_buffers: list[torch.Tensor] = []  # per site: K then V, [b, h_kv, T, d]
         self.states: dict[int, _ChunkState] = {}
         self.kv_grads: dict[int, list] = {}
         self.totals = None
@@ -94,16 +95,20 @@ class StageRunner:
         self.microbatches[mb] = _MicroBatch(boundary)
 
     def _prefix(self, mb: _MicroBatch, i: int) -> list[torch.Tensor]:
-        prefix = []
-        device = self.params[0].device if self.params else None
-        for j, site in enumerate(self.program.attention):
-            for which, shape in ((0, site.k_shape), (1, site.v_shape)):
-                if i == 0:
-                    t = torch.empty(shape, dtype=site.dtype, device=device)
-                else:
-                    t = torch.cat([mb.states[m].kv[2 * j + which].detach() for m in range(i)], dim=-2)
-                prefix.append(t.requires_grad_(self.needs_grad))
-        return prefix
+        """Chunk i's K/V prefix: views of the micro-batch's K/V buffers (no copies).
+
+        `.data` gives each view its own version counter, so writing later chunks' K/V into
+        the buffer (beyond the view) does not trip autograd's in-place check.
+        """
+        if not mb.kv_buffers:
+            device = self.params[0].device if self.params else None
+            for site in self.program.attention:
+                for shape in (site.k_shape, site.v_shape):
+                    full = list(shape)
+                    full[-2] = self.plan.seq_len
+                    mb.kv_buffers.append(torch.empty(full, dtype=site.dtype, device=device))
+        start = self.plan.starts[i]
+        return [buf[..., :start, :].data.requires_grad_(self.needs_grad) for buf in mb.kv_buffers]
 
     def forward(self, mb: int, i: int, recvs: list[torch.Tensor] = ()) -> list[torch.Tensor]:
         """Forward of chunk `i` of micro-batch `mb`; returns the activations to send (detached)."""
@@ -124,6 +129,9 @@ class StageRunner:
         outs = list(outs)
         m.states[i] = _ChunkState(outs[:n_part], outs[n_part:n_part + n_send], outs[n_part + n_send:],
                                   prefix, recv_leaves, scope)
+        with torch.no_grad():
+            for buf, t in zip(m.kv_buffers, m.states[i].kv):
+                buf[..., start:end, :].copy_(t)
         return [t.detach() for t in m.states[i].sends]
 
     def _hooks(self, mb: int, i: int):
