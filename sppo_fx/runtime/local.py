@@ -73,7 +73,6 @@ class StageRunner:
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
         self.params = [p.detach().requires_grad_() if i in self.grad_index else p.detach()
                        for i, p in enumerate(params)]
-        self.param_grads: list[torch.Tensor | None] = [None] * len(self.grad_index)
         self.microbatches: dict[int, _MicroBatch] = {}
         index = {name: k for k, name in enumerate(program.params)}
         self._epilogue_params = [self.params[index[name]] for name in program.epilogue_params]
@@ -82,10 +81,10 @@ class StageRunner:
     def grad_leaves(self) -> list[torch.Tensor]:
         return [self.params[i] for i in self.grad_index]
 
-    def _add_param_grads(self, grads):
-        for k, g in enumerate(grads):
-            if g is not None:
-                self.param_grads[k] = g if self.param_grads[k] is None else self.param_grads[k] + g
+    @property
+    def param_grads(self) -> list[torch.Tensor | None]:
+        """Gradients accumulated so far, one per parameter that requires grad."""
+        return [leaf.grad for leaf in self.grad_leaves]
 
     # ---- forward ----------------------------------------------------------------------
     def start(self, mb: int, inputs: list[torch.Tensor]):
@@ -225,17 +224,18 @@ class StageRunner:
         recvs = [r for r in st.recvs if r.requires_grad]
         recv_grads: list[torch.Tensor | None] = [None] * len(st.recvs)
         if outs:
-            gs = torch.autograd.grad(outs, leaves + prefix + recvs, grads, allow_unused=True)
-            self._add_param_grads(gs[:len(leaves)])
+            # backward(inputs=...) accumulates each parameter's gradient into its leaf as soon
+            # as it is computed: one copy of the gradients, as eager autograd keeps
+            torch.autograd.backward(outs, grads, inputs=leaves + prefix + recvs)
             lengths = self.plan.chunk_lengths[:i]
-            for j, gp in enumerate(gs[len(leaves):len(leaves) + len(prefix)]):
+            for j, t in enumerate(prefix):
+                gp, t.grad = t.grad, None
                 if gp is None:
                     continue
                 for c, part in enumerate(gp.split(lengths, dim=-2)):
                     acc = m.kv_grads.setdefault(c, [None] * len(st.kv))
                     acc[j] = part if acc[j] is None else acc[j] + part
-            it = iter(gs[len(leaves) + len(prefix):])
-            recv_grads = [next(it) if r.requires_grad else None for r in st.recvs]
+            recv_grads = [r.grad if r.requires_grad else None for r in st.recvs]
         del m.states[i]
         if not m.states:
             del self.microbatches[mb]
@@ -251,7 +251,8 @@ class StageRunner:
     def _add_param_grads_for(self, ks, grads):
         for k, g in zip(ks, grads):
             if g is not None:
-                self.param_grads[k] = g if self.param_grads[k] is None else self.param_grads[k] + g
+                leaf = self.grad_leaves[k]
+                leaf.grad = g if leaf.grad is None else leaf.grad.add_(g)
 
 
 class _ChunkedLoss(torch.autograd.Function):
