@@ -86,6 +86,14 @@ class StageRunner:
         """Gradients accumulated so far, one per parameter that requires grad."""
         return [leaf.grad for leaf in self.grad_leaves]
 
+    def take_param_grads(self) -> list[torch.Tensor | None]:
+        """The accumulated gradients, released by the runner (so that autograd can hand
+        them to the user's parameters without a copy)."""
+        grads = self.param_grads
+        for leaf in self.grad_leaves:
+            leaf.grad = None
+        return grads
+
     # ---- forward ----------------------------------------------------------------------
     def start(self, mb: int, inputs: list[torch.Tensor]):
         """Run the prologue of micro-batch `mb` on its full-sequence inputs."""
@@ -272,7 +280,7 @@ class _ChunkedLoss(torch.autograd.Function):
             if i > 0:  # the previous chunk's read-back overlaps this chunk's backward
                 runner.prefetch(0, i - 1)
             runner.backward(0, i, loss_grad=grad)
-        return (None, None, *runner.param_grads)
+        return (None, None, *runner.take_param_grads())
 
 
 def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: list[torch.Tensor],
