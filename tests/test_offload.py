@@ -18,7 +18,7 @@ def _grads(model):
 @pytest.mark.parametrize("tier", ["disk", "device"])
 def test_offload_is_bitwise_neutral(kind, tier, tmp_path):
     model = build(kind, "tiny", **({"n_embd": 128} if kind == "gpt" else {"dim": 128, "ffn_dim": 256}))
-    x, y = torch.randint(0, 97, (2, 96)), torch.randint(0, 97, (2, 96))
+    x, y = torch.randint(0, 97, (2, 512)), torch.randint(0, 97, (2, 512))  # activations above 64 KiB
     plain = sppo_fx.compile(model, chunks=4, compile=False)
     loss = plain(x, y)
     loss.backward()

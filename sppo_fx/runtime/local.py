@@ -129,8 +129,10 @@ class StageRunner:
         scope = None
         with torch.set_grad_enabled(self.needs_grad):
             if self.offloads(mb, i):
-                with self.store.scope() as scope, self._hooks(mb, i):
+                seen: dict = {}
+                with self.store.scope() as scope, self._hooks(mb, i, seen):
                     outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
+                seen.clear()  # autograd now holds the handles; the store holds tensors until written
             else:
                 outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
         outs = list(outs)
@@ -141,24 +143,47 @@ class StageRunner:
                 buf[..., start:end, :].copy_(t)
         return [t.detach() for t in m.states[i].sends]
 
-    def _hooks(self, mb: int, i: int):
+    def _hooks(self, mb: int, i: int, seen: dict):
+        """Saved-tensor hooks for chunk i: offload to the store within the chunk's byte quota.
+
+        A tensor that several nodes save (or views with the same layout of one storage) is
+        offloaded once and comes back as one tensor: `seen` maps its layout to the handle,
+        and holds the tensor until the chunk's forward ends so its memory cannot be reused
+        by another tensor with the same address meanwhile. Parameters and views of them
+        (`linear` saves `weight.t()`) and the K/V buffer's views stay: they live anyway.
+        """
+        resident = self._resident_storages()
         quota = self.offload.get((mb, i)) if isinstance(self.offload, dict) else None
-        if quota is None:
-            return self.store.saved_tensor_hooks(self.min_offload_bytes)
-        store, left, min_bytes = self.store, [quota], self.min_offload_bytes
+        store, left, min_bytes = self.store, [float("inf") if quota is None else quota], self.min_offload_bytes
 
         def pack(t):
+            if (t.layout != torch.strided or (t.is_leaf and t.requires_grad) or type(t) is not torch.Tensor
+                    or t.device.type not in ("cpu", "cuda")):
+                return t
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in resident:
+                return t
+            key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+            if key in seen:
+                return seen[key][1]
             n = t.numel() * t.element_size()
-            if (t.layout != torch.strided or (t.is_leaf and t.requires_grad) or n < min_bytes or n > left[0]
-                    or type(t) is not torch.Tensor):
+            if n < min_bytes or n > left[0]:
                 return t
             left[0] -= n
-            return store.offload(t)
+            handle = store.offload(t)
+            seen[key] = (t, handle)
+            return handle
 
         def unpack(obj):
             return obj if isinstance(obj, torch.Tensor) else store.wait(obj)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _resident_storages(self) -> set[int]:
+        ptrs = {p.untyped_storage().data_ptr() for p in self.params}
+        for m in self.microbatches.values():
+            ptrs |= {b.untyped_storage().data_ptr() for b in m.kv_buffers}
+        return ptrs
 
     def offloads(self, mb: int, i: int) -> bool:
         """Whether chunk `i` of micro-batch `mb` offloads its saved activations."""
