@@ -624,14 +624,14 @@ class ActivationStore:
                 pass
         self._check()
 
-    # -- autograd integration
+    # -- autograd integration (see _is_leaf_or_view_of_one below)
     def saved_tensor_hooks(self, min_bytes: int = 0, keep_leaves: bool = True):
         """A `torch.autograd.graph.saved_tensors_hooks` context: pack = offload, unpack = wait.
 
         Args:
             min_bytes: tensors smaller than this stay where they are.
-            keep_leaves: keep leaf tensors that require grad (parameters) instead of
-                offloading them — they live on the device anyway.
+            keep_leaves: keep leaf tensors that require grad (parameters) and views of them
+                instead of offloading them — they live on the device anyway.
 
         Returns:
             The context manager (use `with store.saved_tensor_hooks(): loss = model(x)`).
@@ -642,7 +642,7 @@ class ActivationStore:
             if (t.layout != torch.strided or t.device.type not in ("cpu", "cuda")
                     or type(t) not in (torch.Tensor, torch.nn.Parameter)
                     or t.numel() * t.element_size() < min_bytes
-                    or (keep_leaves and t.is_leaf and t.requires_grad)):
+                    or (keep_leaves and _is_leaf_or_view_of_one(t))):
                 return t
             return store.offload(t)
 
@@ -686,6 +686,13 @@ class ActivationStore:
     def __repr__(self):
         return (f"ActivationStore(tier={self.tier!r}, dir={self.dir!r}, on_device={_fmt_bytes(self.bytes_on_device)}, "
                 f"offloaded={_fmt_bytes(self.bytes_offloaded)})")
+
+
+def _is_leaf_or_view_of_one(t: torch.Tensor) -> bool:
+    """A parameter (leaf that requires grad) or a view of one: `linear` saves `weight.t()`,
+    which is not a leaf itself but lives as long as the weight does."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
 
 
 class Scope:
