@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +37,7 @@ import sppo_fx  # noqa: E402
 from sppo_fx.capture import capture  # noqa: E402
 from sppo_fx.models import build  # noqa: E402
 from sppo_fx.passes import transform  # noqa: E402
+from sppo_fx.runtime.launch import start_local_ranks  # noqa: E402
 from sppo_fx.runtime.schedule import Action, ActionKind  # noqa: E402
 from sppo_fx.solver.partition import cost_model_from_graph  # noqa: E402
 from sppo_fx.runtime.schedule import build_schedule  # noqa: E402
@@ -93,15 +92,8 @@ def worker(args):
 
 
 def _launch(args, out):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(args.stages):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(args.stages), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, __file__, "--worker", "--out", out] + sys.argv[1:]
-        procs.append(subprocess.Popen(cmd, env=env))
+    cmd = [sys.executable, __file__, "--worker", "--out", out] + sys.argv[1:]
+    procs = start_local_ranks(cmd, args.stages, capture=False)
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"pipeline ranks failed with exit codes {codes}")

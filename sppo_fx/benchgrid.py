@@ -18,7 +18,6 @@ import dataclasses
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -133,14 +132,8 @@ def _run_in_process(cfg: BenchConfig, timeout: float) -> dict:
         if res.returncode:
             return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"}
         return json.loads(res.stdout.strip().splitlines()[-1])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(cfg.stages):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(cfg.stages), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    from sppo_fx.runtime.launch import start_local_ranks
+    procs = start_local_ranks(cmd, cfg.stages)
     outs = [p.communicate(timeout=timeout) for p in procs]
     if any(p.returncode for p in procs):
         err = next(e for (o, e), p in zip(outs, procs) if p.returncode)

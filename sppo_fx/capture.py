@@ -8,7 +8,7 @@ sequence dim of every input that has the sequence length marked dynamic.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import sympy
 import torch

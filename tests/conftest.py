@@ -1,7 +1,6 @@
 """Shared helpers: eager reference gradients and a builder for hand-made FX graphs."""
 from __future__ import annotations
 
-import operator
 
 import pytest
 import torch

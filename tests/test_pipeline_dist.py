@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,26 +10,15 @@ import pytest
 import torch
 
 from sppo_fx.models import build
+from sppo_fx.runtime.launch import free_port, start_local_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_pipeline.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nprocs: int, args: list[str], timeout: float = 240.0):
     """Start `nprocs` ranks of the example script directly (as torchrun would set them up)."""
-    port = _free_port()
-    procs = []
-    for rank in range(nprocs):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs = start_local_ranks([sys.executable, SCRIPT, *args], nprocs, cwd=ROOT)
     results, start = [], time.monotonic()
     for p in procs:
         try:
@@ -138,7 +126,7 @@ def test_ranks_that_disagree_on_the_plan_fail_at_start(tmp_path):
 
 def test_torchrun_launch(tmp_path):
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(_free_port()), SCRIPT, "--model", "gpt", "--layers", "2",
+                          "--master-port", str(free_port()), SCRIPT, "--model", "gpt", "--layers", "2",
                           "--seq-len", "24", "--chunks", "3", "--steps", "2", "--lr", "0.1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -38,7 +38,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from sppo_fx.attention import prefix_causal_attention
 from sppo_fx.errors import SppoError, describe_node, source_line
-from sppo_fx.passes.seqdim import SDPA, SIZE, _is_size_node, arg_expr, loss_reduction
+from sppo_fx.passes.seqdim import _is_size_node, arg_expr, loss_reduction
 
 aten = torch.ops.aten
 
@@ -182,11 +182,10 @@ def _copy_meta(new: fx.Node, old: fx.Node):
 class _Builder:
     """Copies nodes of the captured graph into a new graph, sizes bound to a node."""
 
-    def __init__(self, seq: sympy.Symbol, length_name: str):
+    def __init__(self, seq: sympy.Symbol):
         self.graph = fx.Graph()
         self.env: dict[fx.Node, object] = {}
         self.seq = seq
-        self.length_name = length_name
         self.length = None
 
     def placeholder(self, name: str, like: fx.Node | None = None) -> fx.Node:
@@ -355,14 +354,14 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
         boundary_specs.append(Boundary(a.name, dims[0]))
 
     # Prologue: runs once on the full sequence.
-    pb = _Builder(seq, "seq_len")
+    pb = _Builder(seq)
     pb.length = pb.placeholder("seq_len")
     for name in input_names:
         pb.env[by_name[name]] = pb.placeholder(name, by_name[name])
     prologue = pb.finish([pb.get(a, lazy=True) for a in boundaries])
 
     # Chunk program.
-    cb = _Builder(seq, "chunk_len")
+    cb = _Builder(seq)
     for name in param_names:
         cb.env[by_name[name]] = cb.placeholder(name, by_name[name])
     for a in boundaries:
@@ -441,7 +440,7 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
 
 def _epilogue(nodes, by_name, seq, param_names, reductions, red_sites, epilogue_set, loss):
     """The epilogue graph: (seq_len, *params it reads, *partial totals) -> loss."""
-    eb = _Builder(seq, "seq_len")
+    eb = _Builder(seq)
     eb.length = eb.placeholder("seq_len")
     for name in param_names:
         eb.env[by_name[name]] = eb.placeholder(name, by_name[name])

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from sppo_fx.errors import SppoError
 from sppo_fx.markers import SPLIT_POINT
-from sppo_fx.passes.seqdim import DATA, SDPA, _is_size_node
+from sppo_fx.passes.seqdim import DATA, SDPA
 
 aten = torch.ops.aten
 _BLOCK = re.compile(r"^(.*)\.(\d+)$")
