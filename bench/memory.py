@@ -100,7 +100,8 @@ def worker(args):
     torch.save(grads, args.grads_out)
     print(json.dumps({"config": name, "step_s": statistics.median(times), "warmup_s": warmup,
                       "peak_extra": max(peaks), "predicted": predicted, "budget": plan.budget_bytes if plan else None,
-                      "plan": str(plan) if plan else None}))
+                      "plan": str(plan) if plan else None,
+                      "recompute": getattr(plan, "recompute", None) if plan else None}))
 
 
 def main():
@@ -151,7 +152,7 @@ def main():
     rows = []
     for r in results:
         if "error" in r:
-            rows.append((r["config"], "failed: " + r["error"][:70], "", "", "", "", "", ""))
+            rows.append((r["config"], "failed: " + r["error"][:70], "", "", "", "", "", "", ""))
             continue
         budget_ok = ""
         if r.get("budget"):
@@ -161,11 +162,11 @@ def main():
                      f"{r['peak_extra'] / 2**20:.0f}", f"{r['peak_extra'] / base['peak_extra']:.2f}",
                      "-" if r.get("predicted") is None else f"{r['predicted'] / 2**20:.0f}",
                      "-" if r.get("budget") is None else f"{r['budget'] / 2**20:.0f} ({budget_ok})",
-                     f"{r['max_grad_diff']:.1e}"))
+                     r.get("recompute") or "-", f"{r['max_grad_diff']:.1e}"))
     print(f"\nsppo_fx memory benchmark: {args.model}-{args.size}, T={args.seq_len}, batch 1, fp32, CPU "
           f"({os.cpu_count()} cores); budgets are fractions of eager's measured peak extra memory")
     print(tabulate(rows, headers=["config", "step s", "vs eager", "peak extra MiB", "vs eager", "predicted MiB",
-                                  "budget MiB (within 10%+16MiB)", "max |grad - eager|"]))
+                                  "budget MiB (within 10%+16MiB)", "recompute", "max |grad - eager|"]))
     for r in results:
         if r.get("plan"):
             print(f"\n{r['config']} plan:\n{r['plan']}")

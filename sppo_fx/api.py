@@ -18,6 +18,7 @@ sequence length re-plan the chunks without re-tracing while the traced range all
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -27,6 +28,7 @@ from sppo_fx.capture import Captured, capture, flatten_call
 from sppo_fx.codegen import CompiledProgram, compile_chunk_program
 from sppo_fx.errors import SppoError
 from sppo_fx.passes import transform
+from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan, even_plan
 from sppo_fx.runtime.local import chunked_loss
@@ -57,6 +59,10 @@ class CompileOptions:
         offload: where every chunk but the last of a sequence offloads its saved activations
             ("disk", "host", "device"), or None. A manual plan until `budget` chooses.
         offload_dir: directory for the disk tier's temporary files (default: the system's).
+        recompute: recompute policy of the chunk program's memory passes: "none", "cheap"
+            (recompute everything but matmuls and attention in backward), "full" (recompute
+            the chunk from its inputs), or "auto" (the budget solver chooses; "none"
+            without a budget).
     """
 
     loss_fn: Callable | None = None
@@ -74,6 +80,7 @@ class CompileOptions:
     partition: str = "balanced"
     offload: str | None = None
     offload_dir: str | None = None
+    recompute: str = "auto"
 
 
 @dataclasses.dataclass
@@ -83,8 +90,18 @@ class _Entry:
     program: ChunkedProgram
     compiled_chunk: CompiledProgram | None = None
     cost: ChunkCostModel | None = None
-    memory: object = None  # solver.budget.MemoryModel, built when a budget is given
+    memory: dict = dataclasses.field(default_factory=dict)  # recompute policy -> solver.budget.MemoryModel
     budget_plans: dict = dataclasses.field(default_factory=dict)
+    programs: dict = dataclasses.field(default_factory=dict)  # recompute policy -> memory-pass CompiledProgram
+
+    def memory_program(self, options: "CompileOptions", recompute: str) -> CompiledProgram:
+        """The chunk program with the memory passes (offload nodes, `recompute` regions)."""
+        prog = self.programs.get(recompute)
+        if prog is None:
+            prog = compile_chunk_program(self.program.chunk, backend="inductor" if options.compile else "eager",
+                                         offload=options.offload is not None, recompute=recompute)
+            self.programs[recompute] = prog
+        return prog
 
 
 class SppoCompiled:
@@ -100,6 +117,7 @@ class SppoCompiled:
         self._last: _Entry | None = None
         self.plan: Plan | None = None
         self.pipeline = None
+        self._last_chunk_fn = None  # what ran the chunks in the last call
         self._store = None
         self.profile = None  # solver.profiles.DeviceProfile used by the budget solver
 
@@ -151,30 +169,36 @@ class SppoCompiled:
         params = [cap.param_value(name) for name in entry.program.params]
         quota = None
         if plan.offload_ratios is not None:
-            quota = {(0, i): a * entry.memory.level2(c, s) for i, (a, c, s) in
+            memory = entry.memory[plan.recompute]
+            quota = {(0, i): a * memory.level2(c, s) for i, (a, c, s) in
                      enumerate(zip(plan.offload_ratios, plan.chunk_lengths, plan.starts))}
-        return chunked_loss(entry.program, params, tensors, plan, entry.compiled_chunk, self.store, quota)
+        recompute = plan.recompute or ("none" if self.options.recompute == "auto" else self.options.recompute)
+        chunk_fn = entry.compiled_chunk
+        if self.options.offload is not None or recompute != "none":
+            chunk_fn = entry.memory_program(self.options, recompute)
+        self._last_chunk_fn = chunk_fn
+        return chunked_loss(entry.program, params, tensors, plan, chunk_fn, self.store, quota)
 
     def _budget_plan(self, entry: "_Entry", seq_len: int) -> Plan:
         """Solve the budget for this sequence length (cached per length)."""
         cached = entry.budget_plans.get(seq_len)
         if cached is not None:
             return cached
-        from sppo_fx.passes.cost import chunk_cost
-        from sppo_fx.solver.budget import MemoryModel, budget_plan, solve
+        from sppo_fx.solver.budget import budget_plan, memory_models, solve
         from sppo_fx.solver.profiles import calibrate
         o = self.options
-        if entry.memory is None:
+        policies = RECOMPUTE_POLICIES if o.recompute == "auto" else (o.recompute,)
+        missing = [r for r in policies if r not in entry.memory]
+        if missing:
             params = [entry.captured.param_value(n) for n in entry.program.params]
-            cc = chunk_cost(entry.program, entry.captured.seq, params=params)
-            grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-            entry.memory = MemoryModel.from_chunk_cost(cc, fixed_bytes=grads)
+            for model in memory_models(entry.program, entry.captured.seq, params, missing):
+                entry.memory[model.recompute] = model
         profile = self.profile or calibrate("cpu" if not torch.cuda.is_available() else "cuda", seconds=1.0,
                                             dir=o.offload_dir)
         self.profile = profile
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
-        chosen = solve(entry.cost, entry.memory, seq_len, o.budget, rate=profile.flops_per_s, bandwidth=bandwidth,
-                       c_half=profile.n_half)
+        chosen = solve(entry.cost, [entry.memory[r] for r in policies], seq_len, o.budget,
+                       rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half)
         plan = budget_plan(seq_len, chosen, o.budget, o.offload)
         entry.budget_plans[seq_len] = plan
         return plan
@@ -219,7 +243,11 @@ class SppoCompiled:
         key = ("pipeline", id(model), tuple((tuple(t.shape), t.dtype) for t in tensors))
         state = self._cache.get(key)
         if state is None:
-            factory = compile_chunk_program if o.compile else None
+            recompute = "none" if o.recompute == "auto" else o.recompute
+            factory = None
+            if o.compile or o.offload or recompute != "none":
+                factory = functools.partial(compile_chunk_program, backend="inductor" if o.compile else "eager",
+                                            offload=o.offload is not None, recompute=recompute)
             state = build_pipeline(model, self._fn, o, mbs, self, rank, world, factory, self.store)
             self._cache[key] = state
         self.plan = state.plan
@@ -257,10 +285,16 @@ class SppoCompiled:
 
     @property
     def graphs(self) -> dict[str, fx.GraphModule]:
-        """The transformed graphs by name: captured (analysed), prologue, chunk, epilogue."""
+        """The transformed graphs by name: captured (analysed), prologue, chunk, epilogue;
+        with offload or recompute, also the chunk program's AOT forward and backward graphs
+        after the memory passes ("chunk.forward.K" / "chunk.backward.K" for its K-th
+        compile: the offload/prefetch/wait nodes are there)."""
         e = self._require_entry()
-        return {"captured": e.graph, "prologue": e.program.prologue, "chunk": e.program.chunk,
-                "epilogue": e.program.epilogue}
+        out = {"captured": e.graph, "prologue": e.program.prologue, "chunk": e.program.chunk,
+               "epilogue": e.program.epilogue}
+        if isinstance(self._last_chunk_fn, CompiledProgram):
+            out.update({f"chunk.{k}": g for k, g in self._last_chunk_fn.graphs().items()})
+        return out
 
     @property
     def program(self) -> ChunkedProgram:
@@ -286,7 +320,8 @@ class SppoCompiled:
 
 def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,
             log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
-            split_points=None, timeout_s=60.0, partition="balanced", offload=None, offload_dir=None):
+            split_points=None, timeout_s=60.0, partition="balanced", offload=None, offload_dir=None,
+            recompute="auto"):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -318,6 +353,10 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             before its backward (prefetched one chunk ahead). Gradients are bitwise those of
             the same chunking without offload (compile=False).
         offload_dir: where the disk tier writes (default: the system's temp dir).
+        recompute: "auto" (with a budget the solver picks "none", "cheap" or "full" per
+            sequence length; otherwise "none"), or one of those: recompute everything but
+            matmuls and attention ("cheap") or the whole chunk ("full") in backward
+            instead of saving it.
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -331,11 +370,13 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         offload = offload or "disk"
     if chunk_lengths is not None:
         chunk_lengths = [int(c) for c in chunk_lengths]
+    if recompute != "auto" and recompute not in RECOMPUTE_POLICIES:
+        raise SppoError(f"recompute={recompute!r}: choose 'auto' or one of {RECOMPUTE_POLICIES}")
     options = CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths,
                              seq_dim=seq_dim, budget=budget, log_passes=log_passes, compile=compile,
                              stages=int(stages), microbatches=int(microbatches), schedule=schedule,
                              split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s),
-                             partition=partition, offload=offload, offload_dir=offload_dir)
+                             partition=partition, offload=offload, offload_dir=offload_dir, recompute=recompute)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

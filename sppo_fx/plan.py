@@ -25,6 +25,8 @@ class Plan:
         budget_bytes: the memory budget the plan was solved for.
         peak_bytes: predicted peak device bytes of a step.
         step_seconds: predicted step time.
+        recompute: the recompute policy of the chunk program ("none", "cheap", "full"),
+            None: not chosen by the solver.
     """
 
     seq_len: int
@@ -34,6 +36,7 @@ class Plan:
     budget_bytes: int | None = None
     peak_bytes: int | None = None
     step_seconds: float | None = None
+    recompute: str | None = None
 
     def __post_init__(self):
         self.chunk_lengths = [int(c) for c in self.chunk_lengths]
@@ -78,6 +81,8 @@ class Plan:
             extra.append(f"predicted peak {self.peak_bytes / 2**20:.1f} MiB")
         if self.step_seconds is not None:
             extra.append(f"predicted step {self.step_seconds:.3g} s")
+        if self.recompute is not None:
+            extra.append(f"recompute {self.recompute}")
         return text + ("\n" + ", ".join(extra) if extra else "")
 
     def __str__(self):

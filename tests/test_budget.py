@@ -136,15 +136,16 @@ def test_budget_api_plans_offload_and_stays_exact(tmp_path):
     ref.backward()
     ref_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    probe = sppo_fx.compile(model, budget="10GiB", compile=False, offload_dir=str(tmp_path))
+    probe = sppo_fx.compile(model, budget="10GiB", compile=False, offload_dir=str(tmp_path), recompute="none")
     probe(x, y)  # a generous budget: learn the memory model and the minimum
     minimum = min(solve_min(probe, 512), 10 * 2**30)
     budget = int(minimum * 1.2)
-    compiled = sppo_fx.compile(model, budget=budget, compile=False, offload_dir=str(tmp_path))
+    compiled = sppo_fx.compile(model, budget=budget, compile=False, offload_dir=str(tmp_path), recompute="none")
     compiled.profile = probe.profile
     loss = compiled(x, y)
     plan = compiled.plan
     assert plan.peak_bytes <= budget and plan.offload_ratios[-1] == 0 and max(plan.offload_ratios) > 0
+    assert plan.recompute == "none"
     assert "offloaded (disk)" in str(plan)
     loss.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
@@ -155,7 +156,7 @@ def test_budget_api_plans_offload_and_stays_exact(tmp_path):
 def solve_min(compiled, seq_len):
     entry = compiled._last
     try:
-        solve(entry.cost, entry.memory, seq_len, 1, rate=1e12, bandwidth=1e9)
+        solve(entry.cost, list(entry.memory.values()), seq_len, 1, rate=1e12, bandwidth=1e9)
     except InfeasibleBudget as e:
         return e.minimum_bytes
     raise AssertionError("a 1-byte budget was feasible")

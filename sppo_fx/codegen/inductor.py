@@ -10,6 +10,7 @@ listed by `CompiledProgram.generated_code()`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.fx as fx
@@ -33,33 +34,117 @@ def _code_modules():
     return PyCodeCache.modules
 
 
+@functools.cache
+def _partitioner_class():
+    """Inductor's `custom_partitioner_fn` hook type, made on first use (importing sppo_fx
+    does not import Inductor). Inductor pickles its config into cache keys, so the class is
+    published in this module and instances pickle as their policy."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class SppoMemoryPartitioner(CustomPartitionerFn):
+        def __init__(self, recompute: str, offload: bool, records: list | None = None):
+            from sppo_fx.passes.offload import memory_partitioner
+            self.recompute, self.offload = recompute, offload
+            self.fn = memory_partitioner(recompute, offload, records)
+
+        def __call__(self, gm, joint_inputs, **kw):
+            return self.fn(gm, joint_inputs, **kw)
+
+        def __reduce__(self):
+            return _make_partitioner, (self.recompute, self.offload)
+
+        def uuid(self):
+            return None  # not cacheable: the records list is per program
+
+    SppoMemoryPartitioner.__module__ = __name__
+    globals()["SppoMemoryPartitioner"] = SppoMemoryPartitioner
+    return SppoMemoryPartitioner
+
+
+def _make_partitioner(recompute: str, offload: bool):
+    return _partitioner_class()(recompute, offload)
+
+
 class CompiledProgram:
-    """A GraphModule compiled by Inductor on first call; callable like the module.
+    """A GraphModule compiled on first call (dynamic shapes); callable like the module.
 
     Args:
         gm: the program to compile.
         name: a label for messages.
         dynamic: compile with dynamic shapes (prefix and chunk lengths symbolic).
+        backend: "inductor" (C++/Triton code) or "eager" (AOTAutograd's forward and backward
+            graphs run op by op: the same graphs, no codegen).
+        offload: partition with the memory passes (`sppo_fx.passes.offload`): saved
+            activations go through offload/prefetch/wait nodes that the executor's
+            `ChunkMemory` serves.
+        recompute: recompute policy of the memory passes ("none", "cheap", "full").
+
+    Attributes:
+        partitions: one `PartitionRecord` (forward graph, backward graph, offload slots)
+            per compile, when the memory passes ran.
     """
 
-    def __init__(self, gm: fx.GraphModule, name: str = "chunk", dynamic: bool = True):
-        self.gm, self.name = gm, name
+    def __init__(self, gm: fx.GraphModule, name: str = "chunk", dynamic: bool = True, *,
+                 backend: str = "inductor", offload: bool = False, recompute: str = "none"):
+        from sppo_fx.passes.offload import RECOMPUTE_POLICIES
+        if backend not in ("inductor", "eager"):
+            raise ValueError(f"backend {backend!r}: choose 'inductor' or 'eager'")
+        if recompute not in RECOMPUTE_POLICIES:
+            from sppo_fx.errors import SppoError
+            raise SppoError(f"recompute={recompute!r}: choose one of {RECOMPUTE_POLICIES}")
+        # Its own GraphModule (sharing the graph): its own generated `forward` code object,
+        # so Dynamo's per-code cache (and recompile limit) is this program's alone.
+        gm = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
+        self.gm, self.name, self.backend = gm, name, backend
+        self.offload, self.recompute = offload, recompute
+        self.memory_passes = offload or recompute != "none" or backend == "eager"
+        self.partitions: list = []
         self.stats = CodegenStats()
         self._first_module = len(_code_modules())
         self._fn = torch.compile(gm, backend=self._counting_backend, dynamic=dynamic, fullgraph=True)
 
+    def _partition_fn(self):
+        from sppo_fx.passes.offload import memory_partitioner
+        return memory_partitioner(self.recompute, self.offload, self.partitions)
+
     def _counting_backend(self, graph: fx.GraphModule, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
         self.stats.compiles += 1
         self.stats.graph_inputs.append([tuple(t.shape) if isinstance(t, torch.Tensor) else t
                                         for t in example_inputs])
-        return compile_fx(graph, example_inputs)
+        if self.backend == "eager":
+            from functorch.compile import make_boxed_func
+            from torch._dynamo.backends.common import aot_autograd
+
+            def keep(g, _inputs):
+                return make_boxed_func(g.forward)
+            return aot_autograd(fw_compiler=keep, bw_compiler=keep,
+                                partition_fn=self._partition_fn())(graph, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+        patches = {}
+        if self.memory_passes:
+            patches["custom_partitioner_fn"] = _partitioner_class()(self.recompute, self.offload, self.partitions)
+        if self.offload:
+            # A saved tensor handed to sppo.offload is still referenced by the activation
+            # store after the graph stops using it: Inductor must not recycle its buffer for
+            # another tensor (buffer reuse) or write a kernel's output into it (in-place).
+            patches.update(allow_buffer_reuse=False, inplace_buffers=False)
+        return compile_fx(graph, example_inputs, config_patches=patches or None)
 
     def __call__(self, *args):
         # Without duck shaping, a prefix as long as the chunk does not get the chunk's
         # symbol (which would force a recompile at the next chunk).
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # Chunks of 1 token and the empty prefix of chunk 0 specialise: allow a few graphs.
+        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 16)):
             return self._fn(*args)
+
+    def graphs(self) -> dict[str, fx.GraphModule]:
+        """The forward and backward graphs of each compile (memory passes only):
+        {"forward.0": ..., "backward.0": ..., "forward.1": ...}."""
+        out = {}
+        for k, rec in enumerate(self.partitions):
+            out[f"forward.{k}"], out[f"backward.{k}"] = rec.forward, rec.backward
+        return out
 
     def generated_code(self) -> list[str]:
         """Paths of the Python modules Inductor generated since this program was created
@@ -68,6 +153,17 @@ class CompiledProgram:
         return [m.__file__ for m in _code_modules()[self._first_module:] if getattr(m, "__file__", None)]
 
 
-def compile_chunk_program(gm: fx.GraphModule) -> CompiledProgram:
-    """Compile the per-chunk program with Inductor (dynamic shapes, full graph)."""
-    return CompiledProgram(gm, "chunk")
+def compile_chunk_program(gm: fx.GraphModule, *, backend: str = "inductor", offload: bool = False,
+                          recompute: str = "none") -> CompiledProgram:
+    """Compile the per-chunk program (dynamic shapes, full graph).
+
+    Args:
+        gm: the chunk program.
+        backend: "inductor" or "eager" (see `CompiledProgram`).
+        offload: insert offload/prefetch/wait nodes for saved activations.
+        recompute: recompute policy ("none", "cheap", "full").
+
+    Returns:
+        The `CompiledProgram`.
+    """
+    return CompiledProgram(gm, "chunk", backend=backend, offload=offload, recompute=recompute)

@@ -704,7 +704,7 @@ def _match_dim(v: int, c0: int, p0: int, batch: int, static: set[int]) -> tuple[
     if v in static or v in (0, 1):
         return sympy.Integer(v), True
     for val, e in _candidates(c0, p0, batch):
-        if v % val == 0 and (v // val) in static:
+        if val > 0 and v % val == 0 and (v // val) in static:
             return (v // val) * e, True
     return sympy.Integer(v), False
 
@@ -790,15 +790,21 @@ def example_inputs(program, c_len: int, prefix: int, *, params: list[torch.Tenso
     return args
 
 
-def _aot_forward(program, args: list, partition: str):
-    """Run AOTAutograd on the chunk program; returns (forward graph, #forward outputs)."""
+def _aot_forward(program, args: list, partition: str, recompute: str = "none"):
+    """Run AOTAutograd on the chunk program; returns (forward graph, #forward outputs).
+
+    `recompute` (min_cut only): the memory passes' recompute policy (`passes.offload`)."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
+    from sppo_fx.passes.offload import memory_partitioner
     base = {"default": default_partition,
-            "min_cut": functools.partial(min_cut_rematerialization_partition, compiler="inductor")}
+            "min_cut": memory_partitioner(recompute, offload=False) if recompute != "none" else
+            functools.partial(min_cut_rematerialization_partition, compiler="inductor")}
     if partition not in base:
         raise SppoError(f"unknown partition {partition!r}; choose 'default' or 'min_cut'")
+    if recompute != "none" and partition != "min_cut":
+        raise SppoError("a recompute policy needs partition='min_cut'")
     rec = {}
 
     def part(joint, inputs, **kw):
@@ -827,7 +833,7 @@ def _aot_forward(program, args: list, partition: str):
 
 def saved_tensors(program, values, batch: int, *, params: list[torch.Tensor] | None = None,
                   seq=None, partition: str = "default", example: tuple[int, int] | None = None,
-                  device=None) -> tuple[list[SavedTensor], tuple[int, int]]:
+                  device=None, recompute: str = "none") -> tuple[list[SavedTensor], tuple[int, int]]:
     """The saved-for-backward storages of one chunk, with symbolic sizes.
 
     Args:
@@ -839,6 +845,7 @@ def saved_tensors(program, values, batch: int, *, params: list[torch.Tensor] | N
         partition: "default" or "min_cut" (AOTAutograd partitioner).
         example: (c0, p0) to trace at (default: chosen to avoid ambiguous dims).
         device: device of the example tensors (see `example_inputs`).
+        recompute: recompute policy (partition "min_cut" only; see `passes.offload`).
 
     Returns:
         (saved tensors, level 1 first; the (c0, p0) used).
@@ -847,7 +854,7 @@ def saved_tensors(program, values, batch: int, *, params: list[torch.Tensor] | N
     static = _static_dims(values)
     c0, p0 = example or choose_example(static, batch)
     args = example_inputs(program, c0, p0, params=params, seq=seq, device=device)
-    fw, n_out, slots = _aot_forward(program, args, partition)
+    fw, n_out, slots = _aot_forward(program, args, partition, recompute)
 
     names = [n for n, _, _ in _input_specs(program, seq)]
     roles = {n: r for n, r, _ in _input_specs(program, seq)}
@@ -937,7 +944,7 @@ def _is_prefix_cat(node: fx.Node, ph_role: dict) -> bool:
 
 def chunk_cost(program, captured_seq=None, *, params: list[torch.Tensor] | None = None,
                partition: str = "default", example: tuple[int, int] | None = None,
-               first_chunk: bool = True, device=None) -> ChunkCost:
+               first_chunk: bool = True, device=None, recompute: str = "none") -> ChunkCost:
     """Cost model of a chunk program: FLOPs, bytes, saved activations in c, p, b.
 
     Args:
@@ -953,6 +960,8 @@ def chunk_cost(program, captured_seq=None, *, params: list[torch.Tensor] | None 
             first chunk's saved bytes are exact.
         device: where the example chunk runs for the AOT trace (default: the params'
             device, else CPU); what attention saves can differ per device.
+        recompute: the memory passes' recompute policy ("none", "cheap", "full"; with
+            partition "min_cut"): the saved set of the graphs that policy runs.
 
     Returns:
         A `ChunkCost`. Raises `SppoError` when the program cannot be propagated
@@ -985,7 +994,7 @@ def chunk_cost(program, captured_seq=None, *, params: list[torch.Tensor] | None 
         nc.bytes_written = sympy.expand(nc.bytes_written.xreplace(rename))
         nodes.append(nc)
     saved, ex = saved_tensors(program, values, batch, params=params, seq=captured_seq,
-                              partition=partition, example=example, device=device)
+                              partition=partition, example=example, device=device, recompute=recompute)
     level1 = sympy.expand(sympy.Add(*[s.bytes_expr for s in saved if s.level == 1]))
     level2 = sympy.expand(sympy.Add(*[s.bytes_expr for s in saved if s.level == 2]))
     saved_first = None
@@ -993,7 +1002,8 @@ def chunk_cost(program, captured_seq=None, *, params: list[torch.Tensor] | None 
         # The first chunk has no prefix; attention may take another path there (the reference
         # path uses is_causal SDPA and saves no mask), so its saved set is traced on its own.
         saved_first, _ = saved_tensors(program, values, batch, params=params, seq=captured_seq,
-                                       partition=partition, example=(ex[0], 0), device=device)
+                                       partition=partition, example=(ex[0], 0), device=device,
+                                       recompute=recompute)
         first = sympy.expand(sympy.Add(*[s.bytes_expr for s in saved_first if s.level == 2]).subs(p, 0))
         if sympy.expand(first - level2.subs(p, 0)) != 0:
             level2 = sympy.Piecewise((first, sympy.Eq(p, 0)), (level2, True))

@@ -19,18 +19,36 @@ number of micro-batches; the distributed executor drives one per rank, and
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from sppo_fx.errors import SppoError
+from sppo_fx.ops.offload import active_memory
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
+from sppo_fx.runtime.memory import ChunkMemory
+
+
+_EAGER_OFFLOAD_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _eager_offload_program(program: ChunkedProgram):
+    """The chunk program with offload nodes, run eagerly (one per program, traced once)."""
+    prog = _EAGER_OFFLOAD_PROGRAMS.get(program.chunk)
+    if prog is None:
+        from sppo_fx.codegen import compile_chunk_program
+        prog = _EAGER_OFFLOAD_PROGRAMS[program.chunk] = compile_chunk_program(program.chunk, backend="eager",
+                                                                              offload=True)
+    return prog
 
 
 class _ChunkState:
-    __slots__ = ("partials", "sends", "kv", "prefix", "recvs", "offloaded")
+    __slots__ = ("partials", "sends", "kv", "prefix", "recvs", "memory")
 
-    def __init__(self, partials, sends, kv, prefix, recvs, offloaded=None):
+    def __init__(self, partials, sends, kv, prefix, recvs, memory=None):
         self.partials, self.sends, self.kv, self.prefix, self.recvs = partials, sends, kv, prefix, recvs
-        self.offloaded = offloaded  # store.Scope of this chunk's offloaded saved activations
+        self.memory = memory  # ChunkMemory: this chunk's saved activations (offload graphs)
 
 
 class _MicroBatch:
@@ -51,15 +69,18 @@ class StageRunner:
         program: the stage's ChunkedProgram.
         params: tensors for the program's parameter placeholders, in order.
         plan: the chunk partition of every micro-batch.
-        chunk_fn: what runs the chunk program (the GraphModule, or an Inductor-compiled one).
+        chunk_fn: what runs the chunk program (the GraphModule, or a
+            `codegen.CompiledProgram`). With a store it must be a CompiledProgram built with
+            offload=True (its graphs carry the offload/wait nodes); None then builds one that
+            runs AOTAutograd's graphs eagerly.
         needs_grad: build autograd graphs (False for evaluation).
         store: the ActivationStore that offloaded chunks' saved activations go to.
         offload: which (micro-batch, chunk) pairs offload their saved activations (level 2:
-            everything the chunk saves for its own backward except parameters and its K/V
-            prefix inputs): a set (all of them), or a dict {(micro-batch, chunk): byte
-            quota} (tensors are offloaded in the order saved while they fit the quota); None
-            with a store means every chunk but the last of each micro-batch (it is the first
-            to run backward).
+            everything the chunk saves for its own backward except parameters, inputs and
+            its K/V): a set (all of them), or a dict {(micro-batch, chunk): byte quota}
+            (tensors are offloaded in the order the forward produces them while they fit
+            the quota); None with a store means every chunk but the last of each
+            micro-batch (it is the first to run backward).
         min_offload_bytes: saved tensors smaller than this stay on the device.
     """
 
@@ -68,7 +89,13 @@ class StageRunner:
         self.program, self.plan = program, plan
         self.store, self.min_offload_bytes = store, min_offload_bytes
         self.offload = offload
+        if store is not None and needs_grad and not getattr(chunk_fn, "offload", False):
+            if chunk_fn is not None:
+                raise SppoError("offloading needs a chunk program compiled with offload=True "
+                                "(sppo_fx.codegen.compile_chunk_program(gm, offload=True))")
+            chunk_fn = _eager_offload_program(program)
         self.chunk_fn = chunk_fn if chunk_fn is not None else program.chunk
+        self.memory_graphs = bool(getattr(self.chunk_fn, "offload", False))
         self.needs_grad = needs_grad
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
         self.params = [p.detach().requires_grad_() if i in self.grad_index else p.detach()
@@ -126,64 +153,19 @@ class StageRunner:
         recv_leaves = [r.detach().requires_grad_(self.needs_grad and r.is_floating_point()) for r in recvs]
         prefix = self._prefix(m, i)
         n_part, n_send = prog.num_partials, len(prog.sends)
-        scope = None
-        with torch.set_grad_enabled(self.needs_grad):
-            if self.offloads(mb, i):
-                seen: dict = {}
-                with self.store.scope() as scope, self._hooks(mb, i, seen):
-                    outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
-                seen.clear()  # autograd now holds the handles; the store holds tensors until written
-            else:
-                outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
+        memory = None
+        if self.memory_graphs:
+            quota = self.offload.get((mb, i), 0) if isinstance(self.offload, dict) else float("inf")
+            memory = ChunkMemory(self.store if self.offloads(mb, i) else None, quota, self.min_offload_bytes)
+        with torch.set_grad_enabled(self.needs_grad), active_memory(memory):
+            outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
         outs = list(outs)
         m.states[i] = _ChunkState(outs[:n_part], outs[n_part:n_part + n_send], outs[n_part + n_send:],
-                                  prefix, recv_leaves, scope)
+                                  prefix, recv_leaves, memory)
         with torch.no_grad():
             for buf, t in zip(m.kv_buffers, m.states[i].kv):
                 buf[..., start:end, :].copy_(t)
         return [t.detach() for t in m.states[i].sends]
-
-    def _hooks(self, mb: int, i: int, seen: dict):
-        """Saved-tensor hooks for chunk i: offload to the store within the chunk's byte quota.
-
-        A tensor that several nodes save (or views with the same layout of one storage) is
-        offloaded once and comes back as one tensor: `seen` maps its layout to the handle,
-        and holds the tensor until the chunk's forward ends so its memory cannot be reused
-        by another tensor with the same address meanwhile. Parameters and views of them
-        (`linear` saves `weight.t()`) and the K/V buffer's views stay: they live anyway.
-        """
-        resident = self._resident_storages()
-        quota = self.offload.get((mb, i)) if isinstance(self.offload, dict) else None
-        store, left, min_bytes = self.store, [float("inf") if quota is None else quota], self.min_offload_bytes
-
-        def pack(t):
-            if (t.layout != torch.strided or (t.is_leaf and t.requires_grad) or type(t) is not torch.Tensor
-                    or t.device.type not in ("cpu", "cuda")):
-                return t
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in resident:
-                return t
-            key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
-            if key in seen:
-                return seen[key][1]
-            n = t.numel() * t.element_size()
-            if n < min_bytes or n > left[0]:
-                return t
-            left[0] -= n
-            handle = store.offload(t)
-            seen[key] = (t, handle)
-            return handle
-
-        def unpack(obj):
-            return obj if isinstance(obj, torch.Tensor) else store.wait(obj)
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-    def _resident_storages(self) -> set[int]:
-        ptrs = {p.untyped_storage().data_ptr() for p in self.params}
-        for m in self.microbatches.values():
-            ptrs |= {b.untyped_storage().data_ptr() for b in m.kv_buffers}
-        return ptrs
 
     def offloads(self, mb: int, i: int) -> bool:
         """Whether chunk `i` of micro-batch `mb` offloads its saved activations."""
@@ -196,14 +178,14 @@ class StageRunner:
     def prefetch(self, mb: int, i: int):
         """Start bringing chunk i's offloaded activations back (no-op if none)."""
         st = self.microbatches.get(mb) and self.microbatches[mb].states.get(i)
-        if st is not None and st.offloaded is not None:
-            st.offloaded.prefetch()
+        if st is not None and st.memory is not None:
+            st.memory.prefetch()
 
     def wait(self, mb: int, i: int):
         """Block until chunk i's offloaded activations are back (backward also waits)."""
         st = self.microbatches.get(mb) and self.microbatches[mb].states.get(i)
-        if st is not None and st.offloaded is not None:
-            st.offloaded.wait()
+        if st is not None and st.memory is not None:
+            st.memory.wait()
 
     def finish_forward(self, mb: int) -> torch.Tensor:
         """After every chunk of `mb` ran forward on the last stage: the epilogue -> loss."""
@@ -259,7 +241,8 @@ class StageRunner:
         if outs:
             # backward(inputs=...) accumulates each parameter's gradient into its leaf as soon
             # as it is computed: one copy of the gradients, as eager autograd keeps
-            torch.autograd.backward(outs, grads, inputs=leaves + prefix + recvs)
+            with active_memory(st.memory):
+                torch.autograd.backward(outs, grads, inputs=leaves + prefix + recvs)
             lengths = self.plan.chunk_lengths[:i]
             for j, t in enumerate(prefix):
                 gp, t.grad = t.grad, None
@@ -269,6 +252,8 @@ class StageRunner:
                     acc = m.kv_grads.setdefault(c, [None] * len(st.kv))
                     acc[j] = part if acc[j] is None else acc[j] + part
             recv_grads = [r.grad if r.requires_grad else None for r in st.recvs]
+        if st.memory is not None:
+            st.memory.release()
         del m.states[i]
         if not m.states:
             del self.microbatches[mb]

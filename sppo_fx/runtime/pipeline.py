@@ -137,12 +137,9 @@ def rank_budget_plan(options, program, cap, params, plan: Plan, world: int, rank
     Returns:
         (this rank's Plan, {(micro-batch, chunk): offload byte quota}).
     """
-    from sppo_fx.passes.cost import chunk_cost
-    from sppo_fx.solver.budget import MemoryModel, budget_plan, solve
+    from sppo_fx.solver.budget import budget_plan, memory_models, solve
     from sppo_fx.solver.profiles import calibrate
-    cc = chunk_cost(program, cap.seq, params=params)
-    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    mem = MemoryModel.from_chunk_cost(cc, fixed_bytes=grads)
+    (mem,) = memory_models(program, cap.seq, params, ("none" if options.recompute == "auto" else options.recompute,))
     profile = calibrate("cuda" if torch.cuda.is_available() else "cpu", seconds=1.0, dir=options.offload_dir)
     bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(options.offload,
                                                                                            float("inf"))

@@ -9,8 +9,13 @@ Memory model of one sequence on one device (bytes; chunk i has c_i tokens at sta
 
     forward, after chunk j:   sum_{i<=j} L1_i + sum_{i<j} (1 - a_i) L2_i + L2_j
     backward, at chunk j:     sum_i L1_i + dK/dV (sum_{i<j} L1_i) + sum_{i<j} (1 - a_i) L2_i
-                              + L2_j + a_{j-1} L2_{j-1} (prefetched) + parameter gradients
+                              + L2_j + R_j + a_{j-1} L2_{j-1} (prefetched) + parameter gradients
     peak = the largest of these, plus `fixed_bytes` (what the model allocates regardless)
+
+Recompute policies (`passes.offload.tag_recompute`) trade saved bytes for compute: each
+has its own model, where L2 is what that policy's graphs save and R_j what chunk j's
+backward rebuilds (the "none" policy's L2 minus this one's), at the price of
+`recompute_fraction` of the chunk's forward time. The solver tries every policy given.
 
 Sequence-aware offload: chunk i's offload is sized to hide behind chunk i+1's forward at
 the tier's write bandwidth, a_i = min(1, bw · t_fwd(i+1) / L2_i). When the peak still
@@ -24,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 
 from sppo_fx.errors import InfeasibleBudget, SppoError
+from sppo_fx.passes import cost as cost_model
+from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
 
@@ -65,19 +72,38 @@ class MemoryModel:
         level2: (c, p) -> chunk-private saved bytes.
         fixed_bytes: allocated by every step regardless of chunking (parameter gradients).
         working: (c, p) -> transient bytes while a chunk runs (its largest temporaries).
+        recomputed: (c, p) -> bytes a chunk's backward rebuilds (recompute policies).
+        recompute: the recompute policy this model describes.
+        recompute_fraction: extra compute of that policy, as a fraction of forward time.
     """
 
     level1: object
     level2: object
     fixed_bytes: int = 0
     working: object = None
+    recomputed: object = None
+    recompute: str = "none"
+    recompute_fraction: float = 0.0
 
     @classmethod
-    def from_chunk_cost(cls, chunk_cost, fixed_bytes: int = 0) -> "MemoryModel":
-        """From `sppo_fx.passes.cost.ChunkCost` (sympy in c, p)."""
-        def at(key):
-            return lambda c, p: int(chunk_cost.evaluate(c, p)[key])
-        return cls(at("level1_bytes"), at("level2_bytes"), fixed_bytes)
+    def from_chunk_cost(cls, chunk_cost, fixed_bytes: int = 0, *, baseline=None, recompute: str = "none",
+                        recompute_fraction: float = 0.0) -> "MemoryModel":
+        """From `sppo_fx.passes.cost.ChunkCost` (sympy in c, p).
+
+        Args:
+            chunk_cost: the cost model of the graphs this policy runs.
+            fixed_bytes: see the class.
+            baseline: the "none" policy's ChunkCost (for the bytes a recompute rebuilds).
+            recompute / recompute_fraction: see the class.
+        """
+        def at(cc, key):
+            return lambda c, p: int(cc.evaluate(c, p)[key])
+        rebuilt = None
+        if baseline is not None:
+            mine, full = at(chunk_cost, "level2_bytes"), at(baseline, "level2_bytes")
+            rebuilt = lambda c, p: max(full(c, p) - mine(c, p), 0)  # noqa: E731
+        return cls(at(chunk_cost, "level1_bytes"), at(chunk_cost, "level2_bytes"), fixed_bytes,
+                   recomputed=rebuilt, recompute=recompute, recompute_fraction=recompute_fraction)
 
 
 def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float]) -> int:
@@ -86,6 +112,7 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float]) -> i
     l1 = [mem.level1(c, t) for c, t in zip(lengths, starts)]
     l2 = [mem.level2(c, t) for c, t in zip(lengths, starts)]
     work = [mem.working(c, t) if mem.working else 0 for c, t in zip(lengths, starts)]
+    rebuilt = [mem.recomputed(c, t) if mem.recomputed else 0 for c, t in zip(lengths, starts)]
     peak, kept = 0, 0.0
     for j in range(len(lengths)):  # forward
         peak = max(peak, sum(l1[:j + 1]) + kept + l2[j] + work[j])
@@ -94,7 +121,8 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float]) -> i
     for j in range(len(lengths) - 1, -1, -1):  # backward
         resident = sum((1 - ratios[i]) * l2[i] for i in range(j))
         prefetched = ratios[j - 1] * l2[j - 1] if j > 0 else 0
-        peak = max(peak, skeleton + sum(l1[:j]) + resident + l2[j] + prefetched + work[j] + mem.fixed_bytes)
+        peak = max(peak, skeleton + sum(l1[:j]) + resident + l2[j] + rebuilt[j] + prefetched + work[j]
+                   + mem.fixed_bytes)
     return int(peak)
 
 
@@ -106,12 +134,13 @@ class BudgetPlan:
     ratios: list[float]
     peak_bytes: int
     step_seconds: float
+    recompute: str = "none"
 
 
-def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw) -> float:
+def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0) -> float:
     fwd = [cost.forward_flops(c, t) / (rate * c / (c + c_half))
            for c, t in zip(lengths, [sum(lengths[:i]) for i in range(len(lengths))])]
-    total = sum(f * (1 + cost.backward_factor) for f in fwd)
+    total = sum(f * (1 + cost.backward_factor + recompute_fraction) for f in fwd)
     stall = 0.0
     for i, a in enumerate(ratios):
         if a <= 0:
@@ -123,13 +152,14 @@ def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw) -
     return total + stall
 
 
-def solve(cost: ChunkCostModel, mem: MemoryModel, seq_len: int, budget: int, *, rate: float, bandwidth: float,
+def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, bandwidth: float,
           c_half: float = 64.0, chunk_counts=None, lengths_for=None) -> BudgetPlan:
-    """Choose chunks and offload ratios that fit `budget` with the least predicted time.
+    """Choose chunks, offload ratios and a recompute policy that fit `budget` with the
+    least predicted time.
 
     Args:
         cost: FLOPs model (for times and FLOPs-balanced lengths).
-        mem: bytes model.
+        mem: bytes model: a MemoryModel, or several (one per recompute policy).
         seq_len: tokens T.
         budget: device bytes.
         rate: sustained FLOP/s; bandwidth: offload tier bytes/s (write and read).
@@ -140,6 +170,7 @@ def solve(cost: ChunkCostModel, mem: MemoryModel, seq_len: int, budget: int, *, 
     Returns:
         The BudgetPlan. Raises InfeasibleBudget (with the minimum) when nothing fits.
     """
+    models = list(mem) if isinstance(mem, (list, tuple)) else [mem]
     if chunk_counts is None:
         chunk_counts, n = [], 1
         while n <= max(1, seq_len // 16) and n <= 256:
@@ -147,37 +178,81 @@ def solve(cost: ChunkCostModel, mem: MemoryModel, seq_len: int, budget: int, *, 
             n *= 2
     lengths_for = lengths_for or (lambda n: balanced_lengths(seq_len, n, cost))
     best, minimum = None, None
-    for n in chunk_counts:
-        if n > seq_len:
-            break
-        lengths = lengths_for(n)
-        starts = [sum(lengths[:i]) for i in range(n)]
-        l2 = [mem.level2(c, t) for c, t in zip(lengths, starts)]
-        fwd_s = [cost.forward_flops(c, t) / (rate * c / (c + c_half)) for c, t in zip(lengths, starts)]
-        # sequence-aware: hide each chunk's offload behind the next chunk's forward
-        ratios = [min(1.0, bandwidth * fwd_s[i + 1] / l2[i]) if l2[i] > 0 else 0.0 for i in range(n - 1)] + [0.0]
-        floor = predict_peak(mem, lengths, [1.0] * (n - 1) + [0.0])
-        minimum = floor if minimum is None else min(minimum, floor)
-        for i in range(n):  # earliest chunks leave the device first until the plan fits
-            if predict_peak(mem, lengths, ratios) <= budget or i == n - 1:
+    for model in models:
+        for n in chunk_counts:
+            if n > seq_len:
                 break
-            ratios[i] = 1.0
-        peak = predict_peak(mem, lengths, ratios)
-        if peak > budget:
-            continue
-        # fits: offload only what the budget needs beyond the hidden copies? keep hidden ones
-        plan = BudgetPlan(lengths, ratios, peak, _step_seconds(cost, lengths, ratios, l2, rate, c_half, bandwidth))
-        if best is None or plan.step_seconds < best.step_seconds:
-            best = plan
+            lengths = lengths_for(n)
+            starts = [sum(lengths[:i]) for i in range(n)]
+            l2 = [model.level2(c, t) for c, t in zip(lengths, starts)]
+            fwd_s = [cost.forward_flops(c, t) / (rate * c / (c + c_half)) for c, t in zip(lengths, starts)]
+            # sequence-aware: hide each chunk's offload behind the next chunk's forward
+            ratios = [min(1.0, bandwidth * fwd_s[i + 1] / l2[i]) if l2[i] > 0 else 0.0 for i in range(n - 1)] + [0.0]
+            floor = predict_peak(model, lengths, [1.0] * (n - 1) + [0.0])
+            minimum = floor if minimum is None else min(minimum, floor)
+            for i in range(n):  # earliest chunks leave the device first until the plan fits
+                if predict_peak(model, lengths, ratios) <= budget or i == n - 1:
+                    break
+                ratios[i] = 1.0
+            peak = predict_peak(model, lengths, ratios)
+            if peak > budget:
+                continue
+            seconds = _step_seconds(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction)
+            plan = BudgetPlan(lengths, ratios, peak, seconds, model.recompute)
+            if best is None or plan.step_seconds < best.step_seconds:
+                best = plan
     if best is None:
+        policies = ", ".join(m.recompute for m in models)
         raise InfeasibleBudget(
             f"budget {budget / 2**20:.1f} MiB is below the minimum any plan needs for {seq_len} tokens: "
-            f"{minimum / 2**20:.1f} MiB (every chunk but the last offloaded). Raise the budget to at least "
-            f"{minimum / 2**20:.1f} MiB or shorten the sequence", minimum or 0)
+            f"{minimum / 2**20:.1f} MiB (every chunk but the last offloaded; recompute policies tried: "
+            f"{policies}). Raise the budget to at least {minimum / 2**20:.1f} MiB or shorten the sequence",
+            minimum or 0)
     return best
 
 
 def budget_plan(seq_len: int, chosen: BudgetPlan, budget: int, tier: str) -> Plan:
     """The Plan carrying the solver's choice."""
     return Plan(seq_len, chosen.lengths, offload_ratios=chosen.ratios, tier=tier, budget_bytes=budget,
-                peak_bytes=chosen.peak_bytes, step_seconds=chosen.step_seconds)
+                peak_bytes=chosen.peak_bytes, step_seconds=chosen.step_seconds, recompute=chosen.recompute)
+
+
+def recompute_fraction(chunk_cost, policy: str) -> float:
+    """Extra forward work of a recompute policy, as a fraction of the chunk's forward FLOPs
+    (at the cost model's example chunk): "full" recomputes all of it, "cheap" the nodes
+    that are not matmuls or attention (FLOPs understate these memory-bound ops)."""
+    if policy == "none":
+        return 0.0
+    if policy == "full":
+        return 1.0
+    c0, p0 = chunk_cost.example
+    vals = {cost_model.c: c0, cost_model.p: max(p0, c0), cost_model.b: chunk_cost.batch}
+    total = sum(float(n.fwd_flops.subs(vals)) for n in chunk_cost.nodes)
+    cheap = sum(float(n.fwd_flops.subs(vals)) for n in chunk_cost.nodes if n.kind not in ("matmul", "attention"))
+    return cheap / total if total > 0 else 0.0
+
+
+def memory_models(program, seq, params, policies=RECOMPUTE_POLICIES) -> list[MemoryModel]:
+    """One MemoryModel per recompute policy, from the AOT partition each policy's graphs run
+    (Inductor's min-cut partitioner plus the policy's recompute tags).
+
+    Args:
+        program: the ChunkedProgram.
+        seq: the captured sequence symbol.
+        params: tensors for the program's parameter placeholders.
+        policies: recompute policies to model.
+
+    Returns:
+        The models, in `policies` order; `fixed_bytes` is the parameter gradients.
+    """
+    chunk_cost = cost_model.chunk_cost
+    grads = sum(t.numel() * t.element_size() for t in params if t.requires_grad)
+    base = chunk_cost(program, seq, params=params, partition="min_cut")
+    models = []
+    for policy in policies:
+        cc = base if policy == "none" else chunk_cost(program, seq, params=params, partition="min_cut",
+                                                      recompute=policy)
+        models.append(MemoryModel.from_chunk_cost(cc, grads, baseline=None if policy == "none" else base,
+                                                  recompute=policy,
+                                                  recompute_fraction=recompute_fraction(base, policy)))
+    return models

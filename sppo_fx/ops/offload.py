@@ -1,0 +1,122 @@
+"""Offload, prefetch and wait: the operators the memory pass puts into a chunk program's
+AOT forward and backward graphs (`sppo_fx.passes.offload`).
+
+They are `torch.library` custom ops, so they survive Inductor as extern calls and show
+in the generated code as `torch.ops.sppo.offload.default(...)` etc.
+
+    forward                                   backward
+      x = some_op(...)                          h1 = sppo.prefetch(h, slot)    # graph start
+      h = sppo.offload(x, slot)                 ...
+      ... (x may still be read)                 x  = sppo.wait(h1, slot, dim_order)
+      return ..., h       # saved: h, not x     ... x's users
+
+A handle is an *empty* tensor of shape (*x.shape, 0): it owns no memory, and carries x's
+symbolic sizes, dtype and device from the forward graph into the backward graph. What
+data belongs to a slot is runtime state: the `ChunkMemory` of the chunk being run (the
+executor activates it around that chunk's forward and backward with `active_memory`)
+decides keep | offload per slot and hands the tensor back at `wait`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+
+from sppo_fx.errors import SppoError
+
+
+class SlotMemory(Protocol):
+    """What the ops talk to at run time (implemented by `runtime.memory.ChunkMemory`)."""
+
+    def offload(self, x: torch.Tensor, slot: int) -> None: ...
+    def prefetch(self, slot: int) -> None: ...
+    def wait(self, slot: int) -> torch.Tensor: ...
+
+
+_active: list[SlotMemory] = []
+
+
+@contextlib.contextmanager
+def active_memory(memory: SlotMemory | None):
+    """Make `memory` the target of the offload/prefetch/wait ops while the block runs
+    (None: nothing changes).
+
+    Process-wide (not thread-local): on CUDA the autograd engine runs backward graphs on
+    its own device threads.
+    """
+    if memory is None:
+        yield None
+        return
+    _active.append(memory)
+    try:
+        yield memory
+    finally:
+        _active.remove(memory)
+
+
+def _memory(op: str) -> SlotMemory:
+    if not _active:
+        raise SppoError(f"sppo.{op} ran outside a chunk: a graph with offload nodes must be run by the "
+                        "sppo_fx executor (StageRunner / chunked_loss), which tells it where activations go")
+    return _active[-1]
+
+
+def _handle_like(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape, 0))
+
+
+def expected_strides(shape, dim_order) -> list:
+    """Dense strides of `shape` laid out in `dim_order` (outermost dim first)."""
+    strides = [0] * len(shape)
+    acc = 1
+    for d in reversed(dim_order):
+        strides[d] = acc
+        acc = acc * shape[d]
+    return strides
+
+
+@torch.library.custom_op("sppo::offload", mutates_args=())
+def offload(x: torch.Tensor, slot: int) -> torch.Tensor:
+    """Hand `x` (a saved activation) to the active chunk's memory; returns its handle."""
+    _memory("offload").offload(x, slot)
+    return _handle_like(x)
+
+
+@offload.register_fake
+def _(x, slot):
+    return _handle_like(x)
+
+
+@torch.library.custom_op("sppo::prefetch", mutates_args=())
+def prefetch(handle: torch.Tensor, slot: int) -> torch.Tensor:
+    """Start bringing the slot's data back; returns a new handle that `wait` consumes."""
+    _memory("prefetch").prefetch(slot)
+    return torch.empty_like(handle)
+
+
+@prefetch.register_fake
+def _(handle, slot):
+    return torch.empty_like(handle)
+
+
+@torch.library.custom_op("sppo::wait", mutates_args=())
+def wait(handle: torch.Tensor, slot: int, dim_order: list[int]) -> torch.Tensor:
+    """Block until the slot's data is back; returns it with the layout the graph expects."""
+    t = _memory("wait").wait(slot)
+    shape = handle.shape[:-1]
+    if tuple(t.shape) != tuple(shape) or t.dtype != handle.dtype or t.device != handle.device:
+        raise SppoError(f"sppo.wait slot {slot}: got {tuple(t.shape)} {t.dtype} on {t.device}, the graph "
+                        f"expects {tuple(shape)} {handle.dtype} on {handle.device}")
+    strides = expected_strides(shape, dim_order)
+    if all(a == b or n == 1 for a, b, n in zip(t.stride(), strides, shape)):
+        # same layout (strides of size-1 dims are arbitrary): no copy
+        return t if t.stride() == tuple(strides) else t.as_strided(shape, strides, t.storage_offset())
+    out = torch.empty_permuted(shape, dim_order, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+@wait.register_fake
+def _(handle, slot, dim_order):
+    return torch.empty_permuted(handle.shape[:-1], dim_order, dtype=handle.dtype, device=handle.device)

@@ -1,0 +1,236 @@
+"""Memory passes on a chunk program's AOTAutograd partition: recompute regions and
+offload / prefetch / wait nodes (issue 3, DESIGN.md "two-level activation management").
+
+They run inside the partitioner (`memory_partitioner`), i.e. on the joint graph before
+the forward/backward split (recompute tags) and on the two graphs right after it (offload
+nodes), so the same graphs go to Inductor or run eagerly.
+
+`tag_recompute(joint, policy)` marks forward nodes CheckpointPolicy.MUST_RECOMPUTE:
+
+    policy "none"      nothing (the partitioner's own choice)
+    policy "cheap"     everything but matmuls, convolutions and attention: only their outputs
+                       are saved; norms, activations, rotary embeddings are recomputed
+    policy "full"      every forward node: the backward recomputes the chunk from its inputs
+
+`insert_offload_nodes(fw, bw, num_fwd_outputs)` rewrites every offloadable saved
+activation x (slot k):
+
+    forward                                   backward
+      x = op(...)                               h  = placeholder          # was x
+      h = sppo.offload(x, k)    # right after   h1 = sppo.prefetch(h, k)  # all at graph start
+      ...                                       ...
+      return (*outs, ..., h, ...)               x  = sppo.wait(h1, k, order)  # before x's first user
+
+Offloadable: produced by this chunk (not a parameter, input or K/V prefix, nor a view of
+one), not a forward output or a view of one (the chunk's K/V lives on anyway), the only
+saved value on its storage, and dense (so it comes back with the same layout). At run
+time the chunk's `ChunkMemory` decides per slot whether the data actually leaves the
+device (byte quota of the plan) — one graph serves every chunk.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from sppo_fx.passes.cost import _alias_base
+
+RECOMPUTE_POLICIES = ("none", "cheap", "full")
+
+# Outputs worth saving under the "cheap" policy (their recompute costs real FLOPs).
+_EXPENSIVE = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution",
+              "_scaled_dot_product", "scaled_dot_product", "_flash_attention", "_efficient_attention",
+              "chunk_attention", "prefix_causal")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadSlot:
+    """One saved activation that the graphs route through offload/wait.
+
+    Attributes:
+        slot: index used by the ops.
+        name: the forward node's name.
+        shape: its (symbolic) shape, as text.
+        dtype: its dtype.
+    """
+
+    slot: int
+    name: str
+    shape: str
+    dtype: torch.dtype
+
+    def __str__(self):
+        return f"slot {self.slot}: {self.name} {self.shape} {str(self.dtype).replace('torch.', '')}"
+
+
+def _is_expensive(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", str(node.target))
+    return any(key in name for key in _EXPENSIVE)
+
+
+def _forward_nodes(joint: fx.GraphModule) -> set[fx.Node]:
+    """Nodes of the joint graph that do not depend on a tangent (the forward computation)."""
+    on_tangent: dict[fx.Node, bool] = {}
+    for n in joint.graph.nodes:
+        on_tangent[n] = (n.op == "placeholder" and n.name.startswith("tangents")) or \
+            any(on_tangent[a] for a in n.all_input_nodes)
+    return {n for n, t in on_tangent.items() if not t and n.op not in ("placeholder", "output")}
+
+
+def tag_recompute(joint: fx.GraphModule, policy: str) -> fx.GraphModule:
+    """Mark forward nodes of the joint graph for recomputation (see the module docstring).
+
+    Args:
+        joint: AOTAutograd's joint forward+backward graph.
+        policy: "none" | "cheap" | "full".
+
+    Returns:
+        The same graph, with node.meta["recompute"] set where the policy says.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute policy {policy!r}: choose one of {RECOMPUTE_POLICIES}")
+    if policy == "none":
+        return joint
+    for n in _forward_nodes(joint):
+        if n.op != "call_function":
+            continue
+        # a multi-output op's outputs are its getitems: they share its fate; the tuple
+        # itself cannot be saved, so an expensive one stays untagged
+        owner = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else n
+        if policy == "full" or not _is_expensive(owner):
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        elif not isinstance(n.meta.get("val"), (tuple, list)):
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return joint
+
+
+def _hint(x) -> int:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+    return optimization_hint(x) if isinstance(x, torch.SymInt) else int(x)
+
+
+def _dim_order(val: torch.Tensor) -> list[int] | None:
+    """Outermost-first dim order of a dense, non-overlapping tensor (judged at the size
+    hints; `sppo.wait` re-lays out a tensor whose layout differs at another size), or None."""
+    shape = [_hint(s) for s in val.shape]
+    stride = [_hint(s) for s in val.stride()]
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], -shape[d], d))
+    acc = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != acc:
+            return None
+        acc *= shape[d]
+    return order
+
+
+def insert_offload_nodes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
+                         ) -> tuple[fx.GraphModule, fx.GraphModule, list[OffloadSlot]]:
+    """Route the offloadable saved activations through offload / prefetch / wait nodes.
+
+    Args:
+        fw, bw: the partitioner's forward and backward graphs (changed in place).
+        num_fwd_outputs: how many forward outputs are the program's own (the rest are saved
+            for backward).
+
+    Returns:
+        (fw, bw, the slots in slot order).
+    """
+    ops = torch.ops.sppo
+    out = next(n for n in fw.graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    own = {_alias_base(o) for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)}
+    saved = [(k, o) for k, o in enumerate(outs) if k >= num_fwd_outputs and isinstance(o, fx.Node)
+             and isinstance(o.meta.get("val"), torch.Tensor)]
+    base_count: dict[fx.Node, int] = {}
+    for _, o in saved:
+        base_count[_alias_base(o)] = base_count.get(_alias_base(o), 0) + 1
+    bw_inputs = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+
+    slots: list[OffloadSlot] = []
+    for k, node in saved:
+        val = node.meta["val"]
+        order = _dim_order(val)
+        base = _alias_base(node)
+        if (node.op != "call_function" or base.op != "call_function" or base_count[base] > 1
+                or base in own or order is None or node.name not in bw_inputs):
+            continue
+        slot = len(slots)
+        with fw.graph.inserting_after(node):
+            handle = fw.graph.call_function(ops.offload.default, (node, slot))
+        handle.meta["val"] = val.new_empty((*val.shape, 0))
+        outs[k] = handle
+
+        ph = bw_inputs[node.name]
+        users = list(ph.users)
+        first = min(users, key=lambda u: _position(bw.graph)[u]) if users else None
+        ph.meta["val"] = handle.meta["val"]
+        with bw.graph.inserting_after(_last_placeholder(bw.graph)):
+            pre = bw.graph.call_function(ops.prefetch.default, (ph, slot))
+        pre.meta["val"] = handle.meta["val"]
+        if first is not None:
+            with bw.graph.inserting_before(first):
+                got = bw.graph.call_function(ops.wait.default, (pre, slot, order))
+            got.meta["val"] = val
+            for u in users:
+                u.replace_input_with(ph, got)
+        slots.append(OffloadSlot(slot, node.name, str(tuple(val.shape)), val.dtype))
+    out.args = (tuple(outs),)
+    fw.graph.lint()
+    bw.graph.lint()
+    fw.recompile()
+    bw.recompile()
+    return fw, bw, slots
+
+
+def _position(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _last_placeholder(graph: fx.Graph) -> fx.Node:
+    last = None
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            last = n
+    return last
+
+
+@dataclasses.dataclass
+class PartitionRecord:
+    """The graphs one compile produced (what `.graphs` shows)."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    slots: list[OffloadSlot]
+    recompute: str
+
+
+def memory_partitioner(recompute: str = "none", offload: bool = True, records: list | None = None):
+    """A partition function for AOTAutograd: tag recompute regions, min-cut partition, insert
+    offload nodes.
+
+    Args:
+        recompute: the recompute policy (see `tag_recompute`).
+        offload: insert offload/prefetch/wait nodes.
+        records: a list that gets a `PartitionRecord` per partition.
+
+    Returns:
+        `fn(joint, joint_inputs, *, num_fwd_outputs, **kw) -> (fw, bw)`.
+    """
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        kw.pop("compiler", None)
+        tag_recompute(joint, recompute)
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor",
+                                                     num_fwd_outputs=num_fwd_outputs, **kw)
+        slots: list[OffloadSlot] = []
+        if offload:
+            fw, bw, slots = insert_offload_nodes(fw, bw, num_fwd_outputs)
+        if records is not None:
+            records.append(PartitionRecord(fw, bw, slots, recompute))
+        return fw, bw
+
+    return partition

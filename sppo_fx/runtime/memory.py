@@ -1,0 +1,80 @@
+"""Where one chunk's saved activations live between its forward and its backward.
+
+The chunk program's graphs call `sppo.offload(x, slot)` for every offloadable saved
+activation and `sppo.wait(h, slot, ...)` before its first use in backward
+(`sppo_fx.passes.offload`). The executor makes the chunk's `ChunkMemory` active around
+the chunk's forward and backward (`sppo_fx.ops.offload.active_memory`); it decides per
+slot, in the order the forward produces them:
+
+    keep     the tensor stays on the device (held here until its backward waits for it)
+    offload  it goes to the ActivationStore's tier (async copy; its device memory is freed
+             once the copy completes) while the chunk's byte quota lasts
+
+so one compiled graph serves every chunk, each with its own plan.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ChunkMemory:
+    """The saved activations of one chunk (one micro-batch), by slot.
+
+    Args:
+        store: the ActivationStore to offload to; None keeps everything.
+        quota: bytes this chunk may offload (the plan's ratio times its level-2 bytes).
+        min_bytes: tensors smaller than this stay on the device.
+    """
+
+    def __init__(self, store=None, quota: float = float("inf"), min_bytes: int = 1 << 16):
+        self.store, self.left, self.min_bytes = store, quota, min_bytes
+        self.entries: dict[int, object] = {}  # slot -> kept tensor | store Handle
+        self.offloaded_bytes = 0
+        self.kept_bytes = 0
+
+    def offload(self, x: torch.Tensor, slot: int) -> None:
+        n = x.numel() * x.element_size()
+        if self.store is not None and self.min_bytes <= n <= self.left:
+            self.left -= n
+            self.offloaded_bytes += n
+            self.entries[slot] = self.store.offload(x)
+        else:
+            self.kept_bytes += n
+            self.entries[slot] = x
+
+    def prefetch(self, slot: int | None = None) -> None:
+        """Start reading back one slot (or every offloaded slot)."""
+        for s in ([slot] if slot is not None else list(self.entries)):
+            e = self.entries.get(s)
+            if e is not None and not isinstance(e, torch.Tensor):
+                self.store.prefetch(e)
+
+    def wait(self, slot: int | None = None):
+        """The slot's tensor (blocking until it is back); with no slot, wait for all."""
+        if slot is None:
+            for s in list(self.entries):
+                e = self.entries[s]
+                if not isinstance(e, torch.Tensor):
+                    self.store.wait(e)
+            return None
+        if slot not in self.entries:
+            from sppo_fx.errors import SppoError
+            raise SppoError(f"saved activation slot {slot} was already consumed: a chunk's backward "
+                            "runs once (retain_graph is not supported with offloaded activations)")
+        e = self.entries.pop(slot)
+        if isinstance(e, torch.Tensor):
+            return e
+        t = self.store.wait(e)
+        self.store.release(e)
+        return t
+
+    @property
+    def offloaded(self) -> bool:
+        return self.offloaded_bytes > 0
+
+    def release(self) -> None:
+        """Drop whatever the backward did not consume (files are removed)."""
+        for e in self.entries.values():
+            if not isinstance(e, torch.Tensor):
+                self.store.release(e)
+        self.entries.clear()

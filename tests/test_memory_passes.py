@@ -1,0 +1,246 @@
+"""The memory passes: offload / prefetch / wait nodes and recompute regions in the AOT
+forward and backward graphs (sppo_fx.passes.offload), the ops they call
+(sppo_fx.ops.offload) and the per-chunk runtime state (sppo_fx.runtime.memory)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+from torch._functorch.aot_autograd import aot_function
+
+import sppo_fx
+from sppo_fx.codegen import compile_chunk_program
+from sppo_fx.models import build
+from sppo_fx.ops.offload import active_memory
+from sppo_fx.passes.offload import memory_partitioner
+from sppo_fx.plan import Plan
+from sppo_fx.runtime.local import chunked_loss
+from sppo_fx.runtime.memory import ChunkMemory
+from sppo_fx.runtime.store import ActivationStore
+from sppo_fx.solver.budget import MemoryModel, solve
+from sppo_fx.solver.partition import ChunkCostModel
+
+
+def _targets(gm: fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _block(x, w1, w2):
+    h = x @ w1                      # saved (matmul output feeds relu's backward)
+    a = torch.relu(h)
+    out = torch.tanh(a @ w2)        # tanh output is saved for its own backward
+    gate = torch.sigmoid(h)         # and so is sigmoid's
+    return out.sum() + gate.sum(), a.detach()  # `a` is also a forward output
+
+
+def _partition(fn, *args, recompute="none", offload=True):
+    records = []
+    def keep(g, _inputs):
+        return make_boxed_func(g.forward)
+    compiled = aot_function(fn, fw_compiler=keep, bw_compiler=keep,
+                            partition_fn=memory_partitioner(recompute, offload, records))
+    return compiled, records
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return (torch.randn(8, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True),
+            torch.randn(32, 4, requires_grad=True))
+
+
+def test_offload_nodes_follow_producers_and_waits_precede_first_use():
+    args = _inputs()
+    compiled, records = _partition(_block, *args)
+    memory = ChunkMemory()
+    with active_memory(memory):
+        loss, _ = compiled(*args)
+        loss.backward()
+    (rec,) = records
+    fw_nodes = list(rec.forward.graph.nodes)
+    offloads = [n for n in fw_nodes if n.target is torch.ops.sppo.offload.default]
+    assert offloads and len(offloads) == len(rec.slots)
+    for n in offloads:  # right after the saved tensor is produced
+        assert fw_nodes[fw_nodes.index(n) - 1] is n.args[0]
+    saved = [n.args[0] for n in offloads]
+    assert all(s.op == "call_function" for s in saved)  # never a parameter or an input
+    # `a` is a forward output, so it lives on anyway: not offloaded
+    out = next(n for n in fw_nodes if n.op == "output").args[0]
+    assert out[1] not in saved
+    bw_nodes = list(rec.backward.graph.nodes)
+    prefetches = [n for n in bw_nodes if n.target is torch.ops.sppo.prefetch.default]
+    waits = [n for n in bw_nodes if n.target is torch.ops.sppo.wait.default]
+    assert len(prefetches) == len(waits) == len(rec.slots)
+    first_compute = next(i for i, n in enumerate(bw_nodes) if n.op == "call_function"
+                         and n.target is not torch.ops.sppo.prefetch.default)
+    assert all(bw_nodes.index(p) < first_compute for p in prefetches)  # issued at graph start
+    for w in waits:  # immediately before the first user
+        assert bw_nodes[bw_nodes.index(w) + 1] is min(w.users, key=bw_nodes.index)
+    assert memory.entries == {}  # every slot was consumed by its wait
+
+
+def test_offloaded_graphs_compute_what_autograd_computes(tmp_path):
+    args = _inputs()
+    ref_loss, _ = _block(*args)
+    ref = torch.autograd.grad(ref_loss, args)
+    compiled, records = _partition(_block, *args)
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        memory = ChunkMemory(store, min_bytes=0)
+        with active_memory(memory):
+            loss, _ = compiled(*args)
+            assert memory.offloaded_bytes > 0 and memory.kept_bytes == 0
+            got = torch.autograd.grad(loss, args)
+        assert os.listdir(store.dir) == []
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_quota_keeps_what_does_not_fit(tmp_path):
+    args = _inputs()
+    compiled, _ = _partition(_block, *args)
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        quota = 8 * 32 * 4  # room for the [8, 32] matmul output, not for everything
+        memory = ChunkMemory(store, quota=quota, min_bytes=0)
+        with active_memory(memory):
+            loss, _ = compiled(*args)
+        assert 0 < memory.offloaded_bytes <= quota and memory.kept_bytes > 0
+        with active_memory(memory):
+            loss.backward()
+
+
+@pytest.mark.parametrize("policy", ["full", "cheap"])
+def test_recompute_policies_change_what_is_saved(policy):
+    args = _inputs()
+    compiled, records = _partition(_block, *args, recompute=policy, offload=False)
+    loss, _ = compiled(*args)
+    got = torch.autograd.grad(loss, args)
+    ref = torch.autograd.grad(_block(*args)[0], args)
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got, ref))
+    (rec,) = records
+    out = next(n for n in rec.forward.graph.nodes if n.op == "output").args[0]
+    saved = [n for n in out[2:] if isinstance(n, fx.Node)]
+    if policy == "full":
+        assert all(n.op == "placeholder" for n in saved), saved
+    else:  # only matmul outputs (and inputs) survive; relu / tanh are rebuilt in backward
+        assert all(n.op == "placeholder" or "mm" in str(n.target) for n in saved), saved
+        assert any("mm" in str(n.target) for n in saved)
+    bw_targets = _targets(rec.backward)
+    assert any("relu" in t for t in bw_targets)  # recomputed in the backward graph
+
+
+def test_ops_outside_the_executor_name_it():
+    with pytest.raises(sppo_fx.SppoError, match="executor"):
+        torch.ops.sppo.offload(torch.ones(3), 0)
+
+
+def test_wait_restores_the_layout_the_graph_expects():
+    class Mem:
+        def __init__(self, t):
+            self.t = t
+
+        def wait(self, slot):
+            return self.t
+
+    t = torch.arange(12.0).reshape(3, 4).t()  # [4, 3], column-major
+    handle = torch.empty(4, 3, 0)
+    with active_memory(Mem(t.contiguous())):
+        out = torch.ops.sppo.wait(handle, 0, [1, 0])  # the graph expects t's layout
+    assert out.stride() == t.stride() and torch.equal(out, t)
+    with active_memory(Mem(torch.ones(2, 2))):
+        with pytest.raises(sppo_fx.SppoError, match="slot 0"):
+            torch.ops.sppo.wait(handle, 0, [0, 1])
+
+
+def test_a_slot_is_consumed_once():
+    memory = ChunkMemory()
+    memory.offload(torch.ones(4), 0)
+    memory.wait(0)
+    with pytest.raises(sppo_fx.SppoError, match="retain_graph"):
+        memory.wait(0)
+
+
+def _llama():
+    torch.manual_seed(0)
+    model = build("llama", "tiny", dim=64, ffn_dim=128)
+    x, y = torch.randint(0, 97, (2, 256)), torch.randint(0, 97, (2, 256))
+    return model, x, y
+
+
+def test_api_shows_the_offload_nodes_in_graphs(tmp_path):
+    model, x, y = _llama()
+    compiled = sppo_fx.compile(model, chunks=3, compile=False, offload="disk", offload_dir=str(tmp_path))
+    compiled(x, y).backward()
+    graphs = compiled.graphs
+    fw, bw = graphs["chunk.forward.0"], graphs["chunk.backward.0"]
+    assert "torch.ops.sppo.offload.default" in fw.code
+    assert "torch.ops.sppo.prefetch.default" in bw.code and "torch.ops.sppo.wait.default" in bw.code
+
+
+def test_offload_nodes_survive_inductor(tmp_path):
+    model, x, y = _llama()
+    ref = model(x, y)
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    from sppo_fx.capture import capture
+    from sppo_fx.passes import transform
+    cap = capture(model, None, None, (x, y), {}, None, 1)
+    _, program = transform(cap)
+    params = [cap.param_value(n) for n in program.params]
+    chunk_fn = compile_chunk_program(program.chunk, offload=True)
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        loss = chunked_loss(program, params, [x, y], Plan(256, [96, 80, 80]), chunk_fn, store, min_offload_bytes=0)
+        assert store.bytes_offloaded + store.peak_bytes_offloaded > 0
+        loss.backward()
+        assert os.listdir(store.dir) == []
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
+    for p, g in zip(model.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+    code = "".join(open(f).read() for f in chunk_fn.generated_code())
+    assert "torch.ops.sppo.offload.default" in code and "torch.ops.sppo.wait.default" in code
+    assert chunk_fn.partitions and all(r.slots for r in chunk_fn.partitions)
+
+
+@pytest.mark.parametrize("policy", ["cheap", "full"])
+def test_recompute_through_the_api_is_exact(policy):
+    model, x, y = _llama()
+    ref = model(x, y)
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    compiled = sppo_fx.compile(model, chunks=3, compile=False, recompute=policy)
+    loss = compiled(x, y)
+    loss.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
+    for p, g in zip(model.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+    fw = compiled.graphs["chunk.forward.0"]
+    n_saved = len(next(n for n in fw.graph.nodes if n.op == "output").args[0])
+    assert n_saved > 0
+
+
+def test_unknown_recompute_policy_is_refused():
+    with pytest.raises(sppo_fx.SppoError, match="recompute='some'"):
+        sppo_fx.compile(build("gpt"), chunks=2, recompute="some")
+
+
+def test_solver_recomputes_when_offload_alone_cannot_fit():
+    cost = ChunkCostModel(per_token=1e7, per_pair=1e3)
+
+    def model(policy, l2_per_token, rebuilt_per_token, fraction):
+        return MemoryModel(level1=lambda c, p: 1024 * c, level2=lambda c, p: l2_per_token * c, fixed_bytes=1 << 20,
+                           recomputed=(lambda c, p: rebuilt_per_token * c) if rebuilt_per_token else None,
+                           recompute=policy, recompute_fraction=fraction)
+    models = [model("none", 65536, 0, 0.0), model("full", 0, 65536, 1.0)]
+    roomy = solve(cost, models, 2048, 10**12, rate=1e12, bandwidth=1e12)
+    assert roomy.recompute == "none"  # recompute costs time: only when memory needs it
+    floor_none = None
+    try:
+        solve(cost, models[:1], 2048, 4 * 2**20, rate=1e12, bandwidth=1e12)
+    except sppo_fx.InfeasibleBudget as e:
+        floor_none = e.minimum_bytes
+    assert floor_none is not None
+    tight = solve(cost, models, 2048, floor_none - 1, rate=1e12, bandwidth=1e12)
+    assert tight.recompute == "full" and tight.peak_bytes < floor_none
