@@ -244,3 +244,33 @@ def test_solver_recomputes_when_offload_alone_cannot_fit():
     assert floor_none is not None
     tight = solve(cost, models, 2048, floor_none - 1, rate=1e12, bandwidth=1e12)
     assert tight.recompute == "full" and tight.peak_bytes < floor_none
+
+
+def test_parameter_gradients_accumulate_inside_the_backward_graph():
+    args = _inputs()
+    records = []
+
+    def keep(g, _inputs):
+        return make_boxed_func(g.forward)
+    # inputs 1 and 2 (w1, w2) are "parameters" 0 and 1 of the executor
+    compiled = aot_function(_block, fw_compiler=keep, bw_compiler=keep,
+                            partition_fn=memory_partitioner("none", False, records, {1: 0, 2: 1}))
+    got = {}
+
+    class Sink(ChunkMemory):
+        def __init__(self):
+            super().__init__(grad_sink=lambda i, g: got.__setitem__(i, g.clone()))
+    loss, _ = compiled(*args)
+    with active_memory(Sink()):
+        gx, gw1, gw2 = torch.autograd.grad(loss, args, allow_unused=True, materialize_grads=True)
+    ref = torch.autograd.grad(_block(*args)[0], args)
+    assert torch.equal(gx, ref[0])  # not a parameter: returned as usual
+    assert not gw1.any() and not gw2.any()  # returned as None: the sink has them
+    assert torch.equal(got[0], ref[1]) and torch.equal(got[1], ref[2])
+    bw = records[0].backward
+    out = next(n for n in bw.graph.nodes if n.op == "output").args[0]
+    assert out[1] is None and out[2] is None
+    nodes = list(bw.graph.nodes)
+    for n in nodes:  # each add right after its gradient is produced
+        if n.target is torch.ops.sppo.accumulate_grad.default:
+            assert nodes[nodes.index(n) - 1] is n.args[0]

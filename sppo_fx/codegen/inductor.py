@@ -42,10 +42,10 @@ def _partitioner_class():
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class SppoMemoryPartitioner(CustomPartitionerFn):
-        def __init__(self, recompute: str, offload: bool, records: list | None = None):
+        def __init__(self, recompute: str, offload: bool, records: list | None = None, grad_index=None):
             from sppo_fx.passes.offload import memory_partitioner
             self.recompute, self.offload = recompute, offload
-            self.fn = memory_partitioner(recompute, offload, records)
+            self.fn = memory_partitioner(recompute, offload, records, grad_index)
 
         def __call__(self, gm, joint_inputs, **kw):
             return self.fn(gm, joint_inputs, **kw)
@@ -97,15 +97,24 @@ class CompiledProgram:
         gm = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
         self.gm, self.name, self.backend = gm, name, backend
         self.offload, self.recompute = offload, recompute
-        self.memory_passes = offload or recompute != "none" or backend == "eager"
+        self.memory_passes = True  # the executor runs these graphs with a ChunkMemory
         self.partitions: list = []
         self.stats = CodegenStats()
         self._first_module = len(_code_modules())
         self._fn = torch.compile(gm, backend=self._counting_backend, dynamic=dynamic, fullgraph=True)
 
-    def _partition_fn(self):
+    def _partition_fn(self, grad_index):
         from sppo_fx.passes.offload import memory_partitioner
-        return memory_partitioner(self.recompute, self.offload, self.partitions)
+        return memory_partitioner(self.recompute, self.offload, self.partitions, grad_index)
+
+    def _grad_index(self, graph: fx.GraphModule) -> dict[int, int]:
+        """Dynamo's graph input k -> index of the program's parameter placeholder it is.
+
+        Dynamo names the input for argument `x` `l_x_`; exported parameters are `p_*`."""
+        names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        index = {f"l_{name}_": i for i, name in enumerate(names) if name.startswith("p_")}
+        inputs = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+        return {k: index[name] for k, name in enumerate(inputs) if name in index}
 
     def _counting_backend(self, graph: fx.GraphModule, example_inputs):
         self.stats.compiles += 1
@@ -118,11 +127,12 @@ class CompiledProgram:
             def keep(g, _inputs):
                 return make_boxed_func(g.forward)
             return aot_autograd(fw_compiler=keep, bw_compiler=keep,
-                                partition_fn=self._partition_fn())(graph, example_inputs)
+                                partition_fn=self._partition_fn(self._grad_index(graph)))(graph, example_inputs)
         from torch._inductor.compile_fx import compile_fx
         patches = {}
         if self.memory_passes:
-            patches["custom_partitioner_fn"] = _partitioner_class()(self.recompute, self.offload, self.partitions)
+            patches["custom_partitioner_fn"] = _partitioner_class()(self.recompute, self.offload, self.partitions,
+                                                                    self._grad_index(graph))
         if self.offload:
             # A saved tensor handed to sppo.offload is still referenced by the activation
             # store after the graph stops using it: Inductor must not recycle its buffer for

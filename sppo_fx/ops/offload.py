@@ -9,6 +9,9 @@ in the generated code as `torch.ops.sppo.offload.default(...)` etc.
       h = sppo.offload(x, slot)                 ...
       ... (x may still be read)                 x  = sppo.wait(h1, slot, dim_order)
       return ..., h       # saved: h, not x     ... x's users
+                                                g  = <grad of parameter i>
+                                                sppo.accumulate_grad(g, i)   # into .grad now
+                                                return (..., None, ...)      # not g
 
 A handle is an *empty* tensor of shape (*x.shape, 0): it owns no memory, and carries x's
 symbolic sizes, dtype and device from the forward graph into the backward graph. What
@@ -32,6 +35,7 @@ class SlotMemory(Protocol):
     def offload(self, x: torch.Tensor, slot: int) -> None: ...
     def prefetch(self, slot: int) -> None: ...
     def wait(self, slot: int) -> torch.Tensor: ...
+    def accumulate_grad(self, grad: torch.Tensor, index: int) -> None: ...
 
 
 _active: list[SlotMemory] = []
@@ -120,3 +124,20 @@ def wait(handle: torch.Tensor, slot: int, dim_order: list[int]) -> torch.Tensor:
 @wait.register_fake
 def _(handle, slot, dim_order):
     return torch.empty_permuted(handle.shape[:-1], dim_order, dtype=handle.dtype, device=handle.device)
+
+
+@torch.library.custom_op("sppo::accumulate_grad", mutates_args=())
+def accumulate_grad(grad: torch.Tensor, index: int) -> None:
+    """Add a parameter's gradient into its `.grad` as soon as the backward graph produces
+    it (what eager's AccumulateGrad does), so a chunk's backward never holds a second full
+    set of parameter gradients."""
+    _memory("accumulate_grad").accumulate_grad(grad, index)
+
+
+@accumulate_grad.register_fake
+def _(grad, index):
+    return None
+
+
+# No outputs: without this, dead-code elimination (FX's and Inductor's) would drop it.
+torch.fx.node.has_side_effect(torch.ops.sppo.accumulate_grad.default)

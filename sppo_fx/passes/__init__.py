@@ -8,6 +8,15 @@
 
 Each pass is a function of a GraphModule (and the capture's facts) with no hidden state;
 set `log=True` (or SPPO_FX_LOG_PASSES=1) to print each graph after its pass.
+
+The memory passes (`passes.offload`) run later, on the chunk program's AOTAutograd joint
+graph and its forward/backward partition, as the partitioner that codegen hands to
+AOTAutograd:
+
+    chunk program -> AOTAutograd joint graph
+      -> tag_recompute          recompute policy: CheckpointPolicy tags on forward nodes
+      -> min-cut partition      forward graph, backward graph
+      -> insert_offload_nodes   sppo.offload after saved tensors, sppo.prefetch / sppo.wait in backward
 """
 from __future__ import annotations
 

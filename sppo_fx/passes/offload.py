@@ -148,35 +148,40 @@ def insert_offload_nodes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs
     for _, o in saved:
         base_count[_alias_base(o)] = base_count.get(_alias_base(o), 0) + 1
     bw_inputs = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+    position = {n: i for i, n in enumerate(bw.graph.nodes)}  # inserting keeps the others' order
 
     slots: list[OffloadSlot] = []
+    routed = []  # (first use in backward, placeholder, slot, dim order, value)
     for k, node in saved:
         val = node.meta["val"]
         order = _dim_order(val)
         base = _alias_base(node)
         if (node.op != "call_function" or base.op != "call_function" or base_count[base] > 1
-                or base in own or order is None or node.name not in bw_inputs):
+                or base in own or order is None or node.name not in bw_inputs or not bw_inputs[node.name].users):
             continue
         slot = len(slots)
         with fw.graph.inserting_after(node):
             handle = fw.graph.call_function(ops.offload.default, (node, slot))
         handle.meta["val"] = val.new_empty((*val.shape, 0))
         outs[k] = handle
-
         ph = bw_inputs[node.name]
-        users = list(ph.users)
-        first = min(users, key=lambda u: _position(bw.graph)[u]) if users else None
         ph.meta["val"] = handle.meta["val"]
-        with bw.graph.inserting_after(_last_placeholder(bw.graph)):
-            pre = bw.graph.call_function(ops.prefetch.default, (ph, slot))
-        pre.meta["val"] = handle.meta["val"]
-        if first is not None:
-            with bw.graph.inserting_before(first):
-                got = bw.graph.call_function(ops.wait.default, (pre, slot, order))
-            got.meta["val"] = val
-            for u in users:
-                u.replace_input_with(ph, got)
+        routed.append((min(map(position.__getitem__, ph.users)), ph, slot, order, val))
         slots.append(OffloadSlot(slot, node.name, str(tuple(val.shape)), val.dtype))
+    # prefetches at the start of backward, in the order their tensors are first needed
+    anchor = _last_placeholder(bw.graph)
+    for first, ph, slot, order, val in sorted(routed, key=lambda r: r[0]):
+        users = list(ph.users)
+        with bw.graph.inserting_after(anchor):
+            pre = bw.graph.call_function(ops.prefetch.default, (ph, slot))
+        pre.meta["val"] = ph.meta["val"]
+        anchor = pre
+        first_user = min(users, key=position.__getitem__)
+        with bw.graph.inserting_before(first_user):
+            got = bw.graph.call_function(ops.wait.default, (pre, slot, order))
+        got.meta["val"] = val
+        for u in users:
+            u.replace_input_with(ph, got)
     out.args = (tuple(outs),)
     fw.graph.lint()
     bw.graph.lint()
@@ -185,16 +190,51 @@ def insert_offload_nodes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs
     return fw, bw, slots
 
 
-def _position(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
 def _last_placeholder(graph: fx.Graph) -> fx.Node:
     last = None
     for n in graph.nodes:
         if n.op == "placeholder":
             last = n
     return last
+
+
+def accumulate_param_grads(bw: fx.GraphModule, grad_index: dict[int, int]) -> fx.GraphModule:
+    """Accumulate parameter gradients inside the backward graph as they are produced.
+
+        g = <grad of input k>                  g = <grad of input k>
+        ...                           ->       sppo.accumulate_grad(g, i)
+        return (..., g, ...)                   ...
+                                               return (..., None, ...)
+
+    AOTAutograd's backward returns every gradient at its end; autograd then adds them to
+    `.grad` one by one. For a chunk after the first that means two full sets of parameter
+    gradients at once; accumulating in the graph frees each one right after its add.
+
+    Args:
+        bw: the backward graph (changed in place).
+        grad_index: backward output position k -> parameter index i (the executor's).
+
+    Returns:
+        bw.
+    """
+    out = next(n for n in bw.graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    for k, i in grad_index.items():
+        g = outs[k] if k < len(outs) else None
+        if not isinstance(g, fx.Node):
+            continue
+        with bw.graph.inserting_before(out):
+            bw.graph.call_function(torch.ops.sppo.accumulate_grad.default, (g, i))
+        outs[k] = None
+    out.args = (tuple(outs),)
+    # Each add right after its gradient is produced (after the last producer, when the
+    # output is a view of another gradient node).
+    for n in [n for n in bw.graph.nodes if n.target is torch.ops.sppo.accumulate_grad.default]:
+        if n.args[0].op != "placeholder":
+            n.args[0].append(n)
+    bw.graph.lint()
+    bw.recompile()
+    return bw
 
 
 @dataclasses.dataclass
@@ -207,14 +247,17 @@ class PartitionRecord:
     recompute: str
 
 
-def memory_partitioner(recompute: str = "none", offload: bool = True, records: list | None = None):
+def memory_partitioner(recompute: str = "none", offload: bool = True, records: list | None = None,
+                       grad_index: dict[int, int] | None = None):
     """A partition function for AOTAutograd: tag recompute regions, min-cut partition, insert
-    offload nodes.
+    offload nodes, accumulate parameter gradients in the backward graph.
 
     Args:
         recompute: the recompute policy (see `tag_recompute`).
         offload: insert offload/prefetch/wait nodes.
         records: a list that gets a `PartitionRecord` per partition.
+        grad_index: backward output position -> parameter index, for
+            `accumulate_param_grads` (None: gradients leave the graph as usual).
 
     Returns:
         `fn(joint, joint_inputs, *, num_fwd_outputs, **kw) -> (fw, bw)`.
@@ -229,6 +272,8 @@ def memory_partitioner(recompute: str = "none", offload: bool = True, records: l
         slots: list[OffloadSlot] = []
         if offload:
             fw, bw, slots = insert_offload_nodes(fw, bw, num_fwd_outputs)
+        if grad_index:
+            bw = accumulate_param_grads(bw, grad_index)
         if records is not None:
             records.append(PartitionRecord(fw, bw, slots, recompute))
         return fw, bw

@@ -95,7 +95,8 @@ class StageRunner:
                                 "(sppo_fx.codegen.compile_chunk_program(gm, offload=True))")
             chunk_fn = _eager_offload_program(program)
         self.chunk_fn = chunk_fn if chunk_fn is not None else program.chunk
-        self.memory_graphs = bool(getattr(self.chunk_fn, "offload", False))
+        # CompiledPrograms' graphs call sppo.* ops that need a ChunkMemory per chunk
+        self.memory_graphs = bool(getattr(self.chunk_fn, "memory_passes", False))
         self.needs_grad = needs_grad
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
         self.params = [p.detach().requires_grad_() if i in self.grad_index else p.detach()
@@ -156,7 +157,8 @@ class StageRunner:
         memory = None
         if self.memory_graphs:
             quota = self.offload.get((mb, i), 0) if isinstance(self.offload, dict) else float("inf")
-            memory = ChunkMemory(self.store if self.offloads(mb, i) else None, quota, self.min_offload_bytes)
+            memory = ChunkMemory(self.store if self.offloads(mb, i) else None, quota, self.min_offload_bytes,
+                                 self._accumulate_grad)
         with torch.set_grad_enabled(self.needs_grad), active_memory(memory):
             outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
         outs = list(outs)
@@ -258,6 +260,16 @@ class StageRunner:
         if not m.states:
             del self.microbatches[mb]
         return recv_grads
+
+    def _accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Add a parameter gradient from a backward graph (`sppo.accumulate_grad`) to the
+        parameter's leaf, as autograd's AccumulateGrad would."""
+        leaf = self.params[index]
+        if leaf.grad is None:
+            # a copy in the parameter's layout: `grad` may be a view into a graph buffer
+            leaf.grad = torch.empty_like(leaf).copy_(grad)
+        else:
+            leaf.grad.add_(grad)
 
     def _epilogue_grad_index(self) -> list[int]:
         names = set(self.program.epilogue_params)

@@ -24,10 +24,13 @@ class ChunkMemory:
         store: the ActivationStore to offload to; None keeps everything.
         quota: bytes this chunk may offload (the plan's ratio times its level-2 bytes).
         min_bytes: tensors smaller than this stay on the device.
+        grad_sink: `(parameter index, gradient) -> None`, where `sppo.accumulate_grad`
+            sends parameter gradients during the chunk's backward.
     """
 
-    def __init__(self, store=None, quota: float = float("inf"), min_bytes: int = 1 << 16):
+    def __init__(self, store=None, quota: float = float("inf"), min_bytes: int = 1 << 16, grad_sink=None):
         self.store, self.left, self.min_bytes = store, quota, min_bytes
+        self.grad_sink = grad_sink
         self.entries: dict[int, object] = {}  # slot -> kept tensor | store Handle
         self.offloaded_bytes = 0
         self.kept_bytes = 0
@@ -67,6 +70,12 @@ class ChunkMemory:
         t = self.store.wait(e)
         self.store.release(e)
         return t
+
+    def accumulate_grad(self, grad: torch.Tensor, index: int) -> None:
+        if self.grad_sink is None:
+            from sppo_fx.errors import SppoError
+            raise SppoError("a backward graph accumulates parameter gradients, but its chunk has no grad sink")
+        self.grad_sink(index, grad)
 
     @property
     def offloaded(self) -> bool:

@@ -252,7 +252,13 @@ def memory_models(program, seq, params, policies=RECOMPUTE_POLICIES) -> list[Mem
     for policy in policies:
         cc = base if policy == "none" else chunk_cost(program, seq, params=params, partition="min_cut",
                                                       recompute=policy)
-        models.append(MemoryModel.from_chunk_cost(cc, grads, baseline=None if policy == "none" else base,
-                                                  recompute=policy,
-                                                  recompute_fraction=recompute_fraction(base, policy)))
+        model = MemoryModel.from_chunk_cost(cc, grads, baseline=None if policy == "none" else base,
+                                            recompute=policy, recompute_fraction=recompute_fraction(base, policy))
+        if policy == "cheap" and model.recomputed is not None:
+            # pointwise ops are rebuilt next to their use, block by block: about two
+            # blocks' worth is alive at once, not the whole chunk's (as under "full",
+            # where the forward is replayed ahead of the backward)
+            whole, sites = model.recomputed, max(1, len(program.attention))
+            model.recomputed = lambda c, p: 2 * whole(c, p) // sites  # noqa: E731
+        models.append(model)
     return models
