@@ -88,14 +88,14 @@ class _Entry:
     captured: Captured
     graph: fx.GraphModule
     program: ChunkedProgram
-    compiled_chunk: CompiledProgram | None = None
     cost: ChunkCostModel | None = None
     memory: dict = dataclasses.field(default_factory=dict)  # recompute policy -> solver.budget.MemoryModel
     budget_plans: dict = dataclasses.field(default_factory=dict)
     programs: dict = dataclasses.field(default_factory=dict)  # recompute policy -> memory-pass CompiledProgram
 
     def memory_program(self, options: "CompileOptions", recompute: str) -> CompiledProgram:
-        """The chunk program with the memory passes (offload nodes, `recompute` regions)."""
+        """The compiled chunk program (memory passes: offload nodes with `options.offload`,
+        `recompute` regions, in-graph gradient accumulation), one per policy."""
         prog = self.programs.get(recompute)
         if prog is None:
             prog = compile_chunk_program(self.program.chunk, backend="inductor" if options.compile else "eager",
@@ -173,8 +173,8 @@ class SppoCompiled:
             quota = {(0, i): a * memory.level2(c, s) for i, (a, c, s) in
                      enumerate(zip(plan.offload_ratios, plan.chunk_lengths, plan.starts))}
         recompute = plan.recompute or ("none" if self.options.recompute == "auto" else self.options.recompute)
-        chunk_fn = entry.compiled_chunk
-        if self.options.offload is not None or recompute != "none":
+        chunk_fn = None  # None: the chunk GraphModule runs op by op under eager autograd
+        if self.options.compile or self.options.offload is not None or recompute != "none":
             chunk_fn = entry.memory_program(self.options, recompute)
         self._last_chunk_fn = chunk_fn
         return chunked_loss(entry.program, params, tensors, plan, chunk_fn, self.store, quota)
@@ -271,8 +271,7 @@ class SppoCompiled:
         self.plan_for(next(t.shape[seq_dim] for t in tensors if t.dim() > seq_dim))  # fail before tracing
         cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
         graph, program = transform(cap, log=self.options.log_passes)
-        entry = _Entry(cap, graph, program, compile_chunk_program(program.chunk) if self.options.compile else None,
-                       cost_model_from_graph(graph, cap.seq))
+        entry = _Entry(cap, graph, program, cost_model_from_graph(graph, cap.seq))
         self._cache[key] = entry
         self._last = entry
         return entry
@@ -308,14 +307,15 @@ class SppoCompiled:
     @property
     def codegen(self) -> CompiledProgram | None:
         """The Inductor-compiled chunk program of the last call (None with compile=False)."""
-        return self._require_entry().compiled_chunk
+        self._require_entry()
+        return self._last_chunk_fn if self.options.compile else None
 
     def explain(self) -> str:
         """A readable summary: chunk plan, attention sites, each program's inputs and outputs,
         and where Inductor's generated code is."""
         from sppo_fx.explain import explain
         e = self._require_entry()
-        return explain(e.captured, e.program, self.plan, e.compiled_chunk)
+        return explain(e.captured, e.program, self.plan, self.codegen)
 
 
 def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,

@@ -168,6 +168,21 @@ def _llama():
     return model, x, y
 
 
+def _eager_reference(model, x, y):
+    """Loss and gradients of the unchunked eager model (gradients cleared afterwards)."""
+    ref = model(x, y)
+    ref.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return ref.detach(), grads
+
+
+def _assert_matches(model, loss, ref, ref_grads):
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
+    for p, g in zip(model.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+
+
 def test_api_shows_the_offload_nodes_in_graphs(tmp_path):
     model, x, y = _llama()
     compiled = sppo_fx.compile(model, chunks=3, compile=False, offload="disk", offload_dir=str(tmp_path))
@@ -180,10 +195,7 @@ def test_api_shows_the_offload_nodes_in_graphs(tmp_path):
 
 def test_offload_nodes_survive_inductor(tmp_path):
     model, x, y = _llama()
-    ref = model(x, y)
-    ref.backward()
-    ref_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
+    ref, ref_grads = _eager_reference(model, x, y)
     from sppo_fx.capture import capture
     from sppo_fx.passes import transform
     cap = capture(model, None, None, (x, y), {}, None, 1)
@@ -195,9 +207,7 @@ def test_offload_nodes_survive_inductor(tmp_path):
         assert store.bytes_offloaded + store.peak_bytes_offloaded > 0
         loss.backward()
         assert os.listdir(store.dir) == []
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
-    for p, g in zip(model.parameters(), ref_grads):
-        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+    _assert_matches(model, loss, ref, ref_grads)
     code = "".join(open(f).read() for f in chunk_fn.generated_code())
     assert "torch.ops.sppo.offload.default" in code and "torch.ops.sppo.wait.default" in code
     assert chunk_fn.partitions and all(r.slots for r in chunk_fn.partitions)
@@ -206,16 +216,11 @@ def test_offload_nodes_survive_inductor(tmp_path):
 @pytest.mark.parametrize("policy", ["cheap", "full"])
 def test_recompute_through_the_api_is_exact(policy):
     model, x, y = _llama()
-    ref = model(x, y)
-    ref.backward()
-    ref_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
+    ref, ref_grads = _eager_reference(model, x, y)
     compiled = sppo_fx.compile(model, chunks=3, compile=False, recompute=policy)
     loss = compiled(x, y)
     loss.backward()
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
-    for p, g in zip(model.parameters(), ref_grads):
-        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+    _assert_matches(model, loss, ref, ref_grads)
     fw = compiled.graphs["chunk.forward.0"]
     n_saved = len(next(n for n in fw.graph.nodes if n.op == "output").args[0])
     assert n_saved > 0

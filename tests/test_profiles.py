@@ -77,7 +77,7 @@ def test_calibrate_cpu(tmp_path):
     assert "calibrate" in pr.source
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here; this checks the error calibrate('cuda') raises without it")
 def test_calibrate_cuda_without_cuda():
     with pytest.raises(SppoError, match="CUDA is not available"):
         calibrate("cuda")

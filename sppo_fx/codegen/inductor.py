@@ -97,7 +97,6 @@ class CompiledProgram:
         gm = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
         self.gm, self.name, self.backend = gm, name, backend
         self.offload, self.recompute = offload, recompute
-        self.memory_passes = True  # the executor runs these graphs with a ChunkMemory
         self.partitions: list = []
         self.stats = CodegenStats()
         self._first_module = len(_code_modules())
@@ -129,16 +128,14 @@ class CompiledProgram:
             return aot_autograd(fw_compiler=keep, bw_compiler=keep,
                                 partition_fn=self._partition_fn(self._grad_index(graph)))(graph, example_inputs)
         from torch._inductor.compile_fx import compile_fx
-        patches = {}
-        if self.memory_passes:
-            patches["custom_partitioner_fn"] = _partitioner_class()(self.recompute, self.offload, self.partitions,
-                                                                    self._grad_index(graph))
+        patches = {"custom_partitioner_fn": _partitioner_class()(self.recompute, self.offload, self.partitions,
+                                                                 self._grad_index(graph))}
         if self.offload:
             # A saved tensor handed to sppo.offload is still referenced by the activation
             # store after the graph stops using it: Inductor must not recycle its buffer for
             # another tensor (buffer reuse) or write a kernel's output into it (in-place).
             patches.update(allow_buffer_reuse=False, inplace_buffers=False)
-        return compile_fx(graph, example_inputs, config_patches=patches or None)
+        return compile_fx(graph, example_inputs, config_patches=patches)
 
     def __call__(self, *args):
         # Without duck shaping, a prefix as long as the chunk does not get the chunk's

@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from sppo_fx.codegen import CompiledProgram, compile_chunk_program
 from sppo_fx.errors import SppoError
 from sppo_fx.ops.offload import active_memory
 from sppo_fx.passes.seq_chunk import ChunkedProgram
@@ -37,7 +38,6 @@ def _eager_offload_program(program: ChunkedProgram):
     """The chunk program with offload nodes, run eagerly (one per program, traced once)."""
     prog = _EAGER_OFFLOAD_PROGRAMS.get(program.chunk)
     if prog is None:
-        from sppo_fx.codegen import compile_chunk_program
         prog = _EAGER_OFFLOAD_PROGRAMS[program.chunk] = compile_chunk_program(program.chunk, backend="eager",
                                                                               offload=True)
     return prog
@@ -89,14 +89,14 @@ class StageRunner:
         self.program, self.plan = program, plan
         self.store, self.min_offload_bytes = store, min_offload_bytes
         self.offload = offload
-        if store is not None and needs_grad and not getattr(chunk_fn, "offload", False):
+        if store is not None and needs_grad and not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload):
             if chunk_fn is not None:
                 raise SppoError("offloading needs a chunk program compiled with offload=True "
                                 "(sppo_fx.codegen.compile_chunk_program(gm, offload=True))")
             chunk_fn = _eager_offload_program(program)
         self.chunk_fn = chunk_fn if chunk_fn is not None else program.chunk
         # CompiledPrograms' graphs call sppo.* ops that need a ChunkMemory per chunk
-        self.memory_graphs = bool(getattr(self.chunk_fn, "memory_passes", False))
+        self.memory_graphs = isinstance(self.chunk_fn, CompiledProgram)
         self.needs_grad = needs_grad
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
         self.params = [p.detach().requires_grad_() if i in self.grad_index else p.detach()

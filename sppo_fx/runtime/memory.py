@@ -77,10 +77,6 @@ class ChunkMemory:
             raise SppoError("a backward graph accumulates parameter gradients, but its chunk has no grad sink")
         self.grad_sink(index, grad)
 
-    @property
-    def offloaded(self) -> bool:
-        return self.offloaded_bytes > 0
-
     def release(self) -> None:
         """Drop whatever the backward did not consume (files are removed)."""
         for e in self.entries.values():

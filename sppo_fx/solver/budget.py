@@ -27,6 +27,7 @@ predicted step time, or raises InfeasibleBudget with the smallest feasible budge
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from sppo_fx.errors import InfeasibleBudget, SppoError
 from sppo_fx.passes import cost as cost_model
@@ -97,7 +98,14 @@ class MemoryModel:
             recompute / recompute_fraction: see the class.
         """
         def at(cc, key):
-            return lambda c, p: int(cc.evaluate(c, p)[key])
+            # the solver asks for the same (c, p) many times: substitute each pair once
+            expr, batch = getattr(cc, key), cc.batch
+
+            @functools.lru_cache(maxsize=None)
+            def value(c, p):
+                return cost_model._to_int(expr.subs({cost_model.c: int(c), cost_model.p: int(p),
+                                                     cost_model.b: batch}))
+            return value
         rebuilt = None
         if baseline is not None:
             mine, full = at(chunk_cost, "level2_bytes"), at(baseline, "level2_bytes")
@@ -113,15 +121,18 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float]) -> i
     l2 = [mem.level2(c, t) for c, t in zip(lengths, starts)]
     work = [mem.working(c, t) if mem.working else 0 for c, t in zip(lengths, starts)]
     rebuilt = [mem.recomputed(c, t) if mem.recomputed else 0 for c, t in zip(lengths, starts)]
-    peak, kept = 0, 0.0
-    for j in range(len(lengths)):  # forward
-        peak = max(peak, sum(l1[:j + 1]) + kept + l2[j] + work[j])
-        kept += (1 - ratios[j]) * l2[j]
-    skeleton = sum(l1)
-    for j in range(len(lengths) - 1, -1, -1):  # backward
-        resident = sum((1 - ratios[i]) * l2[i] for i in range(j))
+    n = len(lengths)
+    l1_before, resident_before = [0] * (n + 1), [0.0] * (n + 1)  # running sums over chunks < j
+    for j in range(n):
+        l1_before[j + 1] = l1_before[j] + l1[j]
+        resident_before[j + 1] = resident_before[j] + (1 - ratios[j]) * l2[j]
+    peak = 0
+    for j in range(n):  # forward
+        peak = max(peak, l1_before[j + 1] + resident_before[j] + l2[j] + work[j])
+    skeleton = l1_before[n]
+    for j in range(n - 1, -1, -1):  # backward
         prefetched = ratios[j - 1] * l2[j - 1] if j > 0 else 0
-        peak = max(peak, skeleton + sum(l1[:j]) + resident + l2[j] + rebuilt[j] + prefetched + work[j]
+        peak = max(peak, skeleton + l1_before[j] + resident_before[j] + l2[j] + rebuilt[j] + prefetched + work[j]
                    + mem.fixed_bytes)
     return int(peak)
 
