@@ -63,6 +63,10 @@ class CompileOptions:
             (recompute everything but matmuls and attention in backward), "full" (recompute
             the chunk from its inputs), or "auto" (the budget solver chooses; "none"
             without a budget).
+        skeleton: where the K/V skeleton (every chunk's K and V, read by all later chunks)
+            lives: "keep" (on the device), "offload" (in the `offload` tier, streamed into
+            each attention one earlier chunk at a time), or "auto" (with a budget the solver
+            offloads it only when no plan with it kept fits; otherwise "keep").
     """
 
     loss_fn: Callable | None = None
@@ -81,6 +85,7 @@ class CompileOptions:
     offload: str | None = None
     offload_dir: str | None = None
     recompute: str = "auto"
+    skeleton: str = "auto"
 
 
 @dataclasses.dataclass
@@ -91,16 +96,19 @@ class _Entry:
     cost: ChunkCostModel | None = None
     memory: dict = dataclasses.field(default_factory=dict)  # recompute policy -> solver.budget.MemoryModel
     budget_plans: dict = dataclasses.field(default_factory=dict)
-    programs: dict = dataclasses.field(default_factory=dict)  # recompute policy -> memory-pass CompiledProgram
+    programs: dict = dataclasses.field(default_factory=dict)  # (recompute, skeleton) -> CompiledProgram
 
-    def memory_program(self, options: "CompileOptions", recompute: str) -> CompiledProgram:
+    def memory_program(self, options: "CompileOptions", recompute: str, skeleton: str = "keep") -> CompiledProgram:
         """The compiled chunk program (memory passes: offload nodes with `options.offload`,
-        `recompute` regions, in-graph gradient accumulation), one per policy."""
-        prog = self.programs.get(recompute)
+        `recompute` regions, in-graph gradient accumulation; with skeleton="offload" the
+        K/V prefix streamed from the skeleton), one per (policy, skeleton)."""
+        prog = self.programs.get((recompute, skeleton))
         if prog is None:
-            prog = compile_chunk_program(self.program.chunk, backend="inductor" if options.compile else "eager",
+            from sppo_fx.runtime.local import streamed_chunk
+            gm = self.program.chunk if skeleton == "keep" else streamed_chunk(self.program)
+            prog = compile_chunk_program(gm, backend="inductor" if options.compile else "eager",
                                          offload=options.offload is not None, recompute=recompute)
-            self.programs[recompute] = prog
+            self.programs[(recompute, skeleton)] = prog
         return prog
 
 
@@ -168,16 +176,18 @@ class SppoCompiled:
         self.plan = plan
         params = [cap.param_value(name) for name in entry.program.params]
         quota = None
+        skeleton = plan.skeleton or ("keep" if self.options.skeleton == "auto" else self.options.skeleton)
         if plan.offload_ratios is not None:
             memory = entry.memory[plan.recompute]
-            quota = {(0, i): a * memory.level2(c, s) for i, (a, c, s) in
+            level2 = memory.streamed_level2 if skeleton == "offload" else memory.level2
+            quota = {(0, i): a * level2(c, s) for i, (a, c, s) in
                      enumerate(zip(plan.offload_ratios, plan.chunk_lengths, plan.starts))}
         recompute = plan.recompute or ("none" if self.options.recompute == "auto" else self.options.recompute)
         chunk_fn = None  # None: the chunk GraphModule runs op by op under eager autograd
-        if self.options.compile or self.options.offload is not None or recompute != "none":
-            chunk_fn = entry.memory_program(self.options, recompute)
+        if self.options.compile or self.options.offload is not None or recompute != "none" or skeleton != "keep":
+            chunk_fn = entry.memory_program(self.options, recompute, skeleton)
         self._last_chunk_fn = chunk_fn
-        return chunked_loss(entry.program, params, tensors, plan, chunk_fn, self.store, quota)
+        return chunked_loss(entry.program, params, tensors, plan, chunk_fn, self.store, quota, skeleton=skeleton)
 
     def _budget_plan(self, entry: "_Entry", seq_len: int) -> Plan:
         """Solve the budget for this sequence length (cached per length)."""
@@ -197,8 +207,9 @@ class SppoCompiled:
                                             dir=o.offload_dir)
         self.profile = profile
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
+        skeletons = ("keep", "offload") if o.skeleton == "auto" else (o.skeleton,)
         chosen = solve(entry.cost, [entry.memory[r] for r in policies], seq_len, o.budget,
-                       rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half)
+                       rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half, skeletons=skeletons)
         plan = budget_plan(seq_len, chosen, o.budget, o.offload)
         entry.budget_plans[seq_len] = plan
         return plan
@@ -321,7 +332,7 @@ class SppoCompiled:
 def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,
             log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
             split_points=None, timeout_s=60.0, partition="balanced", offload=None, offload_dir=None,
-            recompute="auto"):
+            recompute="auto", skeleton="auto"):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -357,6 +368,8 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             sequence length; otherwise "none"), or one of those: recompute everything but
             matmuls and attention ("cheap") or the whole chunk ("full") in backward
             instead of saving it.
+        skeleton: "auto", "keep" or "offload": where the K/V skeleton lives (see
+            `CompileOptions`); "offload" needs an `offload` tier (or a budget) and stages=1.
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -372,11 +385,20 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         chunk_lengths = [int(c) for c in chunk_lengths]
     if recompute != "auto" and recompute not in RECOMPUTE_POLICIES:
         raise SppoError(f"recompute={recompute!r}: choose 'auto' or one of {RECOMPUTE_POLICIES}")
+    if skeleton not in ("auto", "keep", "offload"):
+        raise SppoError(f"skeleton={skeleton!r}: choose 'auto', 'keep' or 'offload'")
+    if skeleton == "offload" and offload is None:
+        raise SppoError("skeleton='offload' moves the K/V skeleton to an offload tier: give offload='disk' "
+                        "(or 'host'), or a budget")
+    if skeleton == "offload" and int(stages) > 1:
+        raise SppoError("skeleton='offload' is not supported with pipeline stages yet (stages > 1): "
+                        "use skeleton='keep' or 'auto'")
     options = CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths,
                              seq_dim=seq_dim, budget=budget, log_passes=log_passes, compile=compile,
                              stages=int(stages), microbatches=int(microbatches), schedule=schedule,
                              split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s),
-                             partition=partition, offload=offload, offload_dir=offload_dir, recompute=recompute)
+                             partition=partition, offload=offload, offload_dir=offload_dir, recompute=recompute,
+                             skeleton=skeleton)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

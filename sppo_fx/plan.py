@@ -27,6 +27,8 @@ class Plan:
         step_seconds: predicted step time.
         recompute: the recompute policy of the chunk program ("none", "cheap", "full"),
             None: not chosen by the solver.
+        skeleton: where the K/V skeleton lives ("keep": device, "offload": the tier,
+            streamed back per prefix chunk); None: not chosen by the solver.
     """
 
     seq_len: int
@@ -37,6 +39,7 @@ class Plan:
     peak_bytes: int | None = None
     step_seconds: float | None = None
     recompute: str | None = None
+    skeleton: str | None = None
 
     def __post_init__(self):
         self.chunk_lengths = [int(c) for c in self.chunk_lengths]
@@ -83,6 +86,8 @@ class Plan:
             extra.append(f"predicted step {self.step_seconds:.3g} s")
         if self.recompute is not None:
             extra.append(f"recompute {self.recompute}")
+        if self.skeleton is not None:
+            extra.append(f"K/V skeleton {'kept on the device' if self.skeleton == 'keep' else 'offloaded, streamed'}")
         return text + ("\n" + ", ".join(extra) if extra else "")
 
     def __str__(self):

@@ -29,18 +29,34 @@ from sppo_fx.ops.offload import active_memory
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.memory import ChunkMemory
+import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 
 
 _EAGER_OFFLOAD_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+SKELETON_MODES = ("keep", "offload")
 
 
-def _eager_offload_program(program: ChunkedProgram):
-    """The chunk program with offload nodes, run eagerly (one per program, traced once)."""
-    prog = _EAGER_OFFLOAD_PROGRAMS.get(program.chunk)
-    if prog is None:
-        prog = _EAGER_OFFLOAD_PROGRAMS[program.chunk] = compile_chunk_program(program.chunk, backend="eager",
-                                                                              offload=True)
-    return prog
+def _eager_offload_program(program: ChunkedProgram, skeleton: str = "keep"):
+    """The chunk program with offload nodes (and, with skeleton="offload", a streamed K/V
+    prefix), run eagerly (one per program and mode, traced once)."""
+    progs = _EAGER_OFFLOAD_PROGRAMS.setdefault(program.chunk, {})
+    if skeleton not in progs:
+        gm = program.chunk if skeleton == "keep" else streamed_chunk(program)
+        progs[skeleton] = compile_chunk_program(gm, backend="eager", offload=True)
+    return progs[skeleton]
+
+
+def streamed_chunk(program: ChunkedProgram):
+    """The chunk program with its K/V prefix in the skeleton (`passes.skeleton`)."""
+    from sppo_fx.passes.skeleton import stream_kv_skeleton
+    return stream_kv_skeleton(program.chunk, len(program.attention))
+
+
+def _streams_skeleton(chunk_fn) -> bool:
+    import torch.fx as fx
+    gm = getattr(chunk_fn, "gm", chunk_fn)
+    return isinstance(gm, fx.GraphModule) and any(
+        n.target is torch.ops.sppo.kv_out.default for n in gm.graph.nodes if n.op == "call_function")
 
 
 class _ChunkState:
@@ -55,6 +71,7 @@ class _MicroBatch:
     def __init__(self, boundary):
         self.boundary = boundary
         self.kv_buffers: list[torch.Tensor] = []  # per site: K then V, [b, h_kv, T, d]
+        self.skeleton = None  # KVSkeleton (skeleton="offload")
         self.states: dict[int, _ChunkState] = {}
         self.kv_grads: dict[int, list] = {}
         self.totals = None
@@ -82,14 +99,30 @@ class StageRunner:
             the quota); None with a store means every chunk but the last of each
             micro-batch (it is the first to run backward).
         min_offload_bytes: saved tensors smaller than this stay on the device.
+        skeleton: where the K/V skeleton lives: "keep" (device buffers, passed to the chunk
+            program as its prefix inputs) or "offload" (the store's tier, streamed into the
+            attention one prefix chunk at a time; needs `store` and a chunk program from
+            `passes.skeleton.stream_kv_skeleton`, or chunk_fn=None to build one).
     """
 
     def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], plan: Plan, chunk_fn=None,
-                 needs_grad: bool = True, store=None, offload=None, min_offload_bytes: int = 1 << 16):
+                 needs_grad: bool = True, store=None, offload=None, min_offload_bytes: int = 1 << 16,
+                 skeleton: str = "keep"):
         self.program, self.plan = program, plan
         self.store, self.min_offload_bytes = store, min_offload_bytes
         self.offload = offload
-        if store is not None and needs_grad and not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload):
+        if skeleton not in SKELETON_MODES:
+            raise SppoError(f"skeleton={skeleton!r}: choose one of {SKELETON_MODES}")
+        self.skeleton = skeleton
+        if skeleton == "offload":
+            if store is None:
+                raise SppoError("skeleton='offload' needs an ActivationStore (store=...) to offload the K/V to")
+            if chunk_fn is None:
+                chunk_fn = _eager_offload_program(program, "offload")
+            elif not (isinstance(chunk_fn, CompiledProgram) and _streams_skeleton(chunk_fn)):
+                raise SppoError("skeleton='offload' needs a chunk program compiled from "
+                                "sppo_fx.passes.skeleton.stream_kv_skeleton(program.chunk, ...)")
+        elif store is not None and needs_grad and not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload):
             if chunk_fn is not None:
                 raise SppoError("offloading needs a chunk program compiled with offload=True "
                                 "(sppo_fx.codegen.compile_chunk_program(gm, offload=True))")
@@ -134,9 +167,22 @@ class StageRunner:
 
         `.data` gives each view its own version counter, so writing later chunks' K/V into
         the buffer (beyond the view) does not trip autograd's in-place check.
+        With skeleton="offload": empty handles [b, h_kv, p, d, 0] (the data is in the skeleton).
         """
+        device = self.params[0].device if self.params else None
+        if self.skeleton == "offload":
+            if mb.skeleton is None:
+                from sppo_fx.runtime.skeleton import KVSkeleton
+                mb.skeleton = KVSkeleton(self.store, offload=self.needs_grad, num_chunks=self.plan.num_chunks)
+            out = []
+            for site in self.program.attention:
+                for shape in (site.k_shape, site.v_shape):
+                    full = list(shape)
+                    full[-2] = self.plan.starts[i]
+                    out.append(torch.empty((*full, 0), dtype=site.dtype, device=device)
+                               .requires_grad_(self.needs_grad))
+            return out
         if not mb.kv_buffers:
-            device = self.params[0].device if self.params else None
             for site in self.program.attention:
                 for shape in (site.k_shape, site.v_shape):
                     full = list(shape)
@@ -158,12 +204,14 @@ class StageRunner:
         if self.memory_graphs:
             quota = self.offload.get((mb, i), 0) if isinstance(self.offload, dict) else float("inf")
             memory = ChunkMemory(self.store if self.offloads(mb, i) else None, quota, self.min_offload_bytes,
-                                 self._accumulate_grad)
+                                 self._accumulate_grad, m.skeleton, i)
         with torch.set_grad_enabled(self.needs_grad), active_memory(memory):
             outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
         outs = list(outs)
         m.states[i] = _ChunkState(outs[:n_part], outs[n_part:n_part + n_send], outs[n_part + n_send:],
                                   prefix, recv_leaves, memory)
+        if self.skeleton == "offload":
+            return [t.detach() for t in m.states[i].sends]  # the K/V went to the skeleton (sppo.kv_out)
         with torch.no_grad():
             for buf, t in zip(m.kv_buffers, m.states[i].kv):
                 buf[..., start:end, :].copy_(t)
@@ -237,7 +285,7 @@ class StageRunner:
             if g is not None and t.requires_grad:
                 outs.append(t)
                 grads.append(g)
-        prefix = st.prefix if i > 0 else []
+        prefix = st.prefix if i > 0 and self.skeleton == "keep" else []
         recvs = [r for r in st.recvs if r.requires_grad]
         recv_grads: list[torch.Tensor | None] = [None] * len(st.recvs)
         if outs:
@@ -256,6 +304,8 @@ class StageRunner:
             recv_grads = [r.grad if r.requires_grad else None for r in st.recvs]
         if st.memory is not None:
             st.memory.release()
+        if m.skeleton is not None:
+            m.skeleton.release(i)
         del m.states[i]
         if not m.states:
             del self.microbatches[mb]
@@ -306,8 +356,8 @@ class _ChunkedLoss(torch.autograd.Function):
 
 
 def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: list[torch.Tensor],
-                 plan: Plan, chunk_fn=None, store=None, offload=None, min_offload_bytes: int = 1 << 16
-                 ) -> torch.Tensor:
+                 plan: Plan, chunk_fn=None, store=None, offload=None, min_offload_bytes: int = 1 << 16,
+                 skeleton: str = "keep") -> torch.Tensor:
     """Run the chunk programs over `plan`; the result backpropagates into `params`.
 
     Args:
@@ -320,13 +370,14 @@ def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: li
         store / offload / min_offload_bytes: where and which chunks' saved activations are
             offloaded (see StageRunner); offloading changes where tensors live, never the
             arithmetic.
+        skeleton: "keep" or "offload": where the K/V skeleton lives (see StageRunner).
 
     Returns:
         The scalar loss (equal to the eager model's on the full sequence).
     """
     grad_params = [p for p in params if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and bool(grad_params)
-    runner = StageRunner(program, params, plan, chunk_fn, needs_grad, store, offload, min_offload_bytes)
+    runner = StageRunner(program, params, plan, chunk_fn, needs_grad, store, offload, min_offload_bytes, skeleton)
     runner.start(0, inputs)
     if not needs_grad:
         for i in range(plan.num_chunks):

@@ -26,11 +26,16 @@ class ChunkMemory:
         min_bytes: tensors smaller than this stay on the device.
         grad_sink: `(parameter index, gradient) -> None`, where `sppo.accumulate_grad`
             sends parameter gradients during the chunk's backward.
+        skeleton: the micro-batch's `runtime.skeleton.KVSkeleton`, for chunk programs whose
+            K/V prefix is streamed (`sppo_fx.ops.skeleton`); None otherwise.
+        chunk: this chunk's index in its micro-batch (with `skeleton`).
     """
 
-    def __init__(self, store=None, quota: float = float("inf"), min_bytes: int = 1 << 16, grad_sink=None):
+    def __init__(self, store=None, quota: float = float("inf"), min_bytes: int = 1 << 16, grad_sink=None,
+                 skeleton=None, chunk: int = 0):
         self.store, self.left, self.min_bytes = store, quota, min_bytes
         self.grad_sink = grad_sink
+        self.skeleton, self.chunk = skeleton, chunk
         self.entries: dict[int, object] = {}  # slot -> kept tensor | store Handle
         self.offloaded_bytes = 0
         self.kept_bytes = 0
@@ -76,6 +81,26 @@ class ChunkMemory:
             from sppo_fx.errors import SppoError
             raise SppoError("a backward graph accumulates parameter gradients, but its chunk has no grad sink")
         self.grad_sink(index, grad)
+
+    # ---- the K/V skeleton (sppo_fx.ops.skeleton) --------------------------------------
+    def _skeleton(self, op: str):
+        if self.skeleton is None:
+            from sppo_fx.errors import SppoError
+            raise SppoError(f"sppo.{op}: this chunk program streams its K/V prefix, but its executor "
+                            "gave it no skeleton (StageRunner(..., skeleton='offload'))")
+        return self.skeleton
+
+    def kv_out(self, x: torch.Tensor, slot: int) -> None:
+        self._skeleton("kv_out").put(slot, self.chunk, x)
+
+    def kv_blocks(self, site: int):
+        return self._skeleton("prefix_attention").stream(site, self.chunk)
+
+    def kv_add_grad(self, site: int, j: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        self._skeleton("prefix_attention_bwd").add_grad(site, j, dk, dv)
+
+    def kv_grad(self, slot: int):
+        return self._skeleton("kv_grad").take_grad(slot, self.chunk)
 
     def release(self) -> None:
         """Drop whatever the backward did not consume (files are removed)."""

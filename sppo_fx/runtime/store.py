@@ -133,10 +133,11 @@ class _Record:
 
     __slots__ = ("id", "shape", "stride", "dtype", "device", "nbytes", "state", "src", "host",
                  "path", "result", "write_future", "read_future", "error", "error_seen",
-                 "released", "busy", "on_device", "offloaded", "__weakref__")
+                 "released", "busy", "on_device", "offloaded", "keep", "__weakref__")
 
-    def __init__(self, rid, t: torch.Tensor):
+    def __init__(self, rid, t: torch.Tensor, keep: bool = False):
         self.id = rid
+        self.keep = keep              # the copy stays in the tier: every read is a fresh one
         self.shape = tuple(t.shape)
         self.stride = tuple(t.stride()) if _dense(t) else None
         self.dtype = t.dtype
@@ -353,6 +354,11 @@ class _Core:
                 done.synchronize()
             else:
                 out = staging
+            if rec.keep:
+                # a kept copy: the caller owns `out`; the tier's copy serves the next read
+                with self.lock:
+                    rec.state = "stored"
+                return out
             path = rec.path
             with self.lock:
                 rec.result = out
@@ -523,11 +529,15 @@ class ActivationStore:
             raise type(unseen[0].error)(f"{unseen[0].error} (and {len(unseen) - 1} more failed copies)")
 
     # -- the API
-    def offload(self, tensor: torch.Tensor) -> Handle:
+    def offload(self, tensor: torch.Tensor, keep: bool = False) -> Handle:
         """Start copying `tensor` off the device.
 
         Args:
             tensor: a strided tensor (any dtype, any shape incl. 0-size, any strides).
+            keep: the copy stays in the tier until the handle is released, and every
+                `prefetch`/`wait` pair reads a fresh tensor that the caller owns (for data
+                read many times, such as the K/V skeleton); by default a handle is read
+                back once and its file / host buffer goes as soon as the data is back.
 
         Returns:
             A `Handle`. For the disk tier (and the host tier on CUDA) the store drops its
@@ -542,7 +552,7 @@ class ActivationStore:
         t = tensor.detach()
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        rec = _Record(next(self._ids), t)
+        rec = _Record(next(self._ids), t, keep)
         core = self._core
         handle = Handle(self, rec)
         moves = self.tier == "disk" or (self.tier == "host" and t.device.type == "cuda")
@@ -605,6 +615,9 @@ class ActivationStore:
                 rec.error_seen = True
                 raise rec.error from None
             raise
+        if rec.keep:
+            with self._core.lock:
+                rec.read_future = None  # the next prefetch/wait reads again
         if out.device.type == "cuda":
             out.record_stream(torch.cuda.current_stream(out.device))
         return out

@@ -17,6 +17,15 @@ has its own model, where L2 is what that policy's graphs save and R_j what chunk
 backward rebuilds (the "none" policy's L2 minus this one's), at the price of
 `recompute_fraction` of the chunk's forward time. The solver tries every policy given.
 
+K/V skeleton offload (`skeleton="offload"`, `passes.skeleton`): the skeleton leaves the
+device and is streamed into each attention one earlier chunk at a time, so the
+`sum_i L1_i` terms go; what stays is a stream buffer (two blocks of one site), the dK/dV
+accumulators of backward, and the chunk's own K/V, which its graph now saves as a
+chunk-private tensor (L2 becomes L2 + L1). Reading the prefix back costs
+sum_{j<i} L1_j per chunk in forward and again in backward, hidden behind that chunk's
+compute where the bandwidth allows. The solver offloads the skeleton only when no plan
+with it kept fits.
+
 Sequence-aware offload: chunk i's offload is sized to hide behind chunk i+1's forward at
 the tier's write bandwidth, a_i = min(1, bw · t_fwd(i+1) / L2_i). When the peak still
 exceeds the budget, the earliest chunks (which wait longest for their backward) go to
@@ -76,6 +85,7 @@ class MemoryModel:
         recomputed: (c, p) -> bytes a chunk's backward rebuilds (recompute policies).
         recompute: the recompute policy this model describes.
         recompute_fraction: extra compute of that policy, as a fraction of forward time.
+        sites: attention sites (the stream buffer of an offloaded skeleton is per site).
     """
 
     level1: object
@@ -85,6 +95,12 @@ class MemoryModel:
     recomputed: object = None
     recompute: str = "none"
     recompute_fraction: float = 0.0
+    sites: int = 1
+
+    def streamed_level2(self, c, p) -> int:
+        """Chunk-private saved bytes with the skeleton offloaded: the chunk's own K/V are saved
+        by its graph (they are no longer graph outputs)."""
+        return self.level2(c, p) + self.level1(c, p)
 
     @classmethod
     def from_chunk_cost(cls, chunk_cost, fixed_bytes: int = 0, *, baseline=None, recompute: str = "none",
@@ -114,11 +130,13 @@ class MemoryModel:
                    recomputed=rebuilt, recompute=recompute, recompute_fraction=recompute_fraction)
 
 
-def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float]) -> int:
-    """Peak device bytes of one step (see the module docstring)."""
+def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skeleton: str = "keep") -> int:
+    """Peak device bytes of one step (see the module docstring); `skeleton` is "keep" or
+    "offload"."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     l1 = [mem.level1(c, t) for c, t in zip(lengths, starts)]
-    l2 = [mem.level2(c, t) for c, t in zip(lengths, starts)]
+    level2 = mem.streamed_level2 if skeleton == "offload" else mem.level2
+    l2 = [level2(c, t) for c, t in zip(lengths, starts)]
     work = [mem.working(c, t) if mem.working else 0 for c, t in zip(lengths, starts)]
     rebuilt = [mem.recomputed(c, t) if mem.recomputed else 0 for c, t in zip(lengths, starts)]
     n = len(lengths)
@@ -126,13 +144,16 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float]) -> i
     for j in range(n):
         l1_before[j + 1] = l1_before[j] + l1[j]
         resident_before[j + 1] = resident_before[j] + (1 - ratios[j]) * l2[j]
+    # kept: the skeleton of the chunks so far; offloaded: two blocks of one site streaming in
+    stream = [2 * max(l1[:j], default=0) // max(1, mem.sites) for j in range(n)]
+    held = (lambda j: stream[j]) if skeleton == "offload" else (lambda j: l1_before[j + 1])
     peak = 0
     for j in range(n):  # forward
-        peak = max(peak, l1_before[j + 1] + resident_before[j] + l2[j] + work[j])
-    skeleton = l1_before[n]
-    for j in range(n - 1, -1, -1):  # backward
+        peak = max(peak, held(j) + resident_before[j] + l2[j] + work[j])
+    whole = stream[n - 1] if skeleton == "offload" else l1_before[n]
+    for j in range(n - 1, -1, -1):  # backward: the skeleton (or a stream buffer) + dK/dV of chunks < j
         prefetched = ratios[j - 1] * l2[j - 1] if j > 0 else 0
-        peak = max(peak, skeleton + l1_before[j] + resident_before[j] + l2[j] + rebuilt[j] + prefetched + work[j]
+        peak = max(peak, whole + l1_before[j] + resident_before[j] + l2[j] + rebuilt[j] + prefetched + work[j]
                    + mem.fixed_bytes)
     return int(peak)
 
@@ -146,9 +167,11 @@ class BudgetPlan:
     peak_bytes: int
     step_seconds: float
     recompute: str = "none"
+    skeleton: str = "keep"
 
 
-def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0) -> float:
+def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
+                  skeleton_reads=None) -> float:
     fwd = [cost.forward_flops(c, t) / (rate * c / (c + c_half))
            for c, t in zip(lengths, [sum(lengths[:i]) for i in range(len(lengths))])]
     total = sum(f * (1 + cost.backward_factor + recompute_fraction) for f in fwd)
@@ -160,11 +183,14 @@ def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, r
         hide_fwd = fwd[i + 1] if i + 1 < len(fwd) else 0.0
         hide_bwd = fwd[i + 1] * cost.backward_factor if i + 1 < len(fwd) else 0.0
         stall += max(copy - hide_fwd, 0.0) + max(copy - hide_bwd, 0.0)  # write, then read back
+    for i, read in enumerate(skeleton_reads or ()):
+        # an offloaded skeleton: chunk i reads its whole prefix back in forward and in backward
+        stall += max(read / bw - fwd[i], 0.0) + max(read / bw - fwd[i] * cost.backward_factor, 0.0)
     return total + stall
 
 
 def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, bandwidth: float,
-          c_half: float = 64.0, chunk_counts=None, lengths_for=None) -> BudgetPlan:
+          c_half: float = 64.0, chunk_counts=None, lengths_for=None, skeletons=("keep",)) -> BudgetPlan:
     """Choose chunks, offload ratios and a recompute policy that fit `budget` with the
     least predicted time.
 
@@ -177,6 +203,8 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
         c_half: chunk length at 50% compute efficiency.
         chunk_counts: candidate N (default 1, 2, 4, ... up to T/16).
         lengths_for: N -> lengths (default FLOPs-balanced).
+        skeletons: K/V skeleton placements to consider, "keep" and/or "offload"; "offload"
+            is tried only when no plan with the skeleton kept fits.
 
     Returns:
         The BudgetPlan. Raises InfeasibleBudget (with the minimum) when nothing fits.
@@ -189,43 +217,57 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
             n *= 2
     lengths_for = lengths_for or (lambda n: balanced_lengths(seq_len, n, cost))
     best, minimum = None, None
-    for model in models:
-        for n in chunk_counts:
-            if n > seq_len:
-                break
-            lengths = lengths_for(n)
-            starts = [sum(lengths[:i]) for i in range(n)]
-            l2 = [model.level2(c, t) for c, t in zip(lengths, starts)]
-            fwd_s = [cost.forward_flops(c, t) / (rate * c / (c + c_half)) for c, t in zip(lengths, starts)]
-            # sequence-aware: hide each chunk's offload behind the next chunk's forward
-            ratios = [min(1.0, bandwidth * fwd_s[i + 1] / l2[i]) if l2[i] > 0 else 0.0 for i in range(n - 1)] + [0.0]
-            floor = predict_peak(model, lengths, [1.0] * (n - 1) + [0.0])
-            minimum = floor if minimum is None else min(minimum, floor)
-            for i in range(n):  # earliest chunks leave the device first until the plan fits
-                if predict_peak(model, lengths, ratios) <= budget or i == n - 1:
+    for skeleton in skeletons:
+        if skeleton == "offload" and best is not None:
+            break  # the skeleton leaves the device only when the budget requires it
+        for model in models:
+            for n in chunk_counts:
+                if n > seq_len:
                     break
-                ratios[i] = 1.0
-            peak = predict_peak(model, lengths, ratios)
-            if peak > budget:
-                continue
-            seconds = _step_seconds(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction)
-            plan = BudgetPlan(lengths, ratios, peak, seconds, model.recompute)
-            if best is None or plan.step_seconds < best.step_seconds:
-                best = plan
+                plan, floor = _plan_for(cost, model, lengths_for(n), budget, rate, bandwidth, c_half, skeleton)
+                minimum = floor if minimum is None else min(minimum, floor)
+                if plan is not None and (best is None or plan.step_seconds < best.step_seconds):
+                    best = plan
     if best is None:
         policies = ", ".join(m.recompute for m in models)
         raise InfeasibleBudget(
             f"budget {budget / 2**20:.1f} MiB is below the minimum any plan needs for {seq_len} tokens: "
             f"{minimum / 2**20:.1f} MiB (every chunk but the last offloaded; recompute policies tried: "
-            f"{policies}). Raise the budget to at least {minimum / 2**20:.1f} MiB or shorten the sequence",
-            minimum or 0)
+            f"{policies}; K/V skeleton: {', '.join(skeletons)}). Raise the budget to at least "
+            f"{minimum / 2**20:.1f} MiB or shorten the sequence", minimum or 0)
     return best
+
+
+def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half, skeleton):
+    """(the fitting plan for these chunk lengths or None, the least peak any ratios give)."""
+    n = len(lengths)
+    starts = [sum(lengths[:i]) for i in range(n)]
+    level2 = model.streamed_level2 if skeleton == "offload" else model.level2
+    l2 = [level2(c, t) for c, t in zip(lengths, starts)]
+    fwd_s = [cost.forward_flops(c, t) / (rate * c / (c + c_half)) for c, t in zip(lengths, starts)]
+    # sequence-aware: hide each chunk's offload behind the next chunk's forward
+    ratios = [min(1.0, bandwidth * fwd_s[i + 1] / l2[i]) if l2[i] > 0 else 0.0 for i in range(n - 1)] + [0.0]
+    floor = predict_peak(model, lengths, [1.0] * (n - 1) + [0.0], skeleton)
+    for i in range(n):  # earliest chunks leave the device first until the plan fits
+        if predict_peak(model, lengths, ratios, skeleton) <= budget or i == n - 1:
+            break
+        ratios[i] = 1.0
+    peak = predict_peak(model, lengths, ratios, skeleton)
+    if peak > budget:
+        return None, floor
+    reads = None
+    if skeleton == "offload":
+        l1 = [model.level1(c, t) for c, t in zip(lengths, starts)]
+        reads = [sum(l1[:i]) for i in range(n)]
+    seconds = _step_seconds(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction, reads)
+    return BudgetPlan(lengths, ratios, peak, seconds, model.recompute, skeleton), floor
 
 
 def budget_plan(seq_len: int, chosen: BudgetPlan, budget: int, tier: str) -> Plan:
     """The Plan carrying the solver's choice."""
     return Plan(seq_len, chosen.lengths, offload_ratios=chosen.ratios, tier=tier, budget_bytes=budget,
-                peak_bytes=chosen.peak_bytes, step_seconds=chosen.step_seconds, recompute=chosen.recompute)
+                peak_bytes=chosen.peak_bytes, step_seconds=chosen.step_seconds, recompute=chosen.recompute,
+                skeleton=chosen.skeleton)
 
 
 def recompute_fraction(chunk_cost, policy: str) -> float:
@@ -265,6 +307,7 @@ def memory_models(program, seq, params, policies=RECOMPUTE_POLICIES) -> list[Mem
                                                       recompute=policy)
         model = MemoryModel.from_chunk_cost(cc, grads, baseline=None if policy == "none" else base,
                                             recompute=policy, recompute_fraction=recompute_fraction(base, policy))
+        model.sites = max(1, len(program.attention))
         if policy == "cheap" and model.recomputed is not None:
             # pointwise ops are rebuilt next to their use, block by block: about two
             # blocks' worth is alive at once, not the whole chunk's (as under "full",

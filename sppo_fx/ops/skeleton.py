@@ -1,0 +1,177 @@
+"""K/V skeleton ops: a chunk program whose K/V prefix lives in the runtime, not in its
+inputs (`sppo_fx.passes.skeleton.stream_kv_skeleton` puts them into the graph).
+
+Level 1 of SPPO's activation management is the K/V "skeleton": every later chunk reads
+chunk j's K and V in forward and backward, and adds to their gradients. Passed as graph
+inputs, the whole prefix of every attention site would be on the device for a chunk's
+whole forward and backward. With these ops the chunk graph holds none of it: the
+attention op streams the prefix in, one earlier chunk (one block) at a time, from the
+runtime's `KVSkeleton` (device, host or disk), and merges the partial results by
+log-sum-exp.
+
+    forward (site s)                                  backward
+      k, v = ...                                        dq, dk, dv = sppo.prefix_attention_bwd(
+      out, lse = sppo.prefix_attention(                        dout, q, k, v, out, lse, hk, hv, s, scale)
+            q, k, v, hk, hv, s, scale)                    #  for every block j < i, streamed in:
+      #  own causal part + every block j < i,          #  dK_j, dV_j -> the skeleton's gradient
+      #  each streamed in and merged by lse             #  accumulators (side effect)
+      hk_out = sppo.kv_out(k, 2s)  # k -> skeleton     dk += sppo.kv_grad(d hk_out, 2s)
+      hv_out = sppo.kv_out(v, 2s+1)                      #  dK_i, dV_i summed over later chunks
+      return ..., hk_out, hv_out   # empty handles
+
+`hk`, `hv` (the prefix placeholders) and `hk_out`, `hv_out` are *empty handles* of
+shape (*x.shape, 0): they carry shapes (the prefix length p) and autograd edges, never
+data. The runtime state is the active `ChunkMemory` (`sppo_fx.ops.offload.active_memory`),
+which knows the chunk index and the micro-batch's skeleton.
+"""
+from __future__ import annotations
+
+import torch
+
+from sppo_fx.errors import SppoError
+from sppo_fx.ops.offload import _handle_like, _memory
+
+
+def _merge(out, lse, o_j, lse_j):
+    """Log-sum-exp merge of two partial attentions over disjoint key sets (fp32 `out`)."""
+    new = torch.logaddexp(lse, lse_j)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + o_j.to(out.dtype) * torch.exp(lse_j - new).unsqueeze(-1)
+    return out, new
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("sppo::prefix_attention", mutates_args=())
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix: torch.Tensor,
+                     v_prefix: torch.Tensor, site: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the chunk's queries over the skeleton's blocks of site `site`
+    (every earlier chunk, streamed in one at a time) and the chunk's own k, v."""
+    from sppo_fx.ops.chunk_attention import chunk_attention_with_lse
+    out, lse = chunk_attention_with_lse(q, k, v, scale, causal=True)
+    blocks = _memory("prefix_attention").kv_blocks(site)
+    if blocks:
+        acc = out.to(_acc_dtype(q.dtype))
+        for k_j, v_j in blocks:
+            o_j, lse_j = chunk_attention_with_lse(q, k_j, v_j, scale, causal=False)
+            acc, lse = _merge(acc, lse, o_j, lse_j)
+        out = acc
+    return _like(q, out), lse.contiguous()
+
+
+def _like(ref: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x in ref's dtype and strides (the layout the fake implementation promised)."""
+    if x.dtype == ref.dtype and x.stride() == ref.stride():
+        return x
+    return torch.empty_like(ref).copy_(x)
+
+
+@prefix_attention.register_fake
+def _(q, k, v, k_prefix, v_prefix, site, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_acc_dtype(q.dtype))  # lse contiguous
+
+
+@torch.library.custom_op("sppo::prefix_attention_bwd", mutates_args=())
+def prefix_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
+                         site: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `prefix_attention` for q and the chunk's own k, v; the blocks'
+    gradients go to the skeleton's accumulators.
+
+    With the merged `out` and `lse`, each key block's part of the flash-attention backward
+    is exact on its own (P = exp(s - lse), delta = rowsum(dout * out)), so the blocks are
+    streamed in again one at a time."""
+    bwd = torch.ops.sppo_fx.chunk_attention_bwd
+    memory = _memory("prefix_attention_bwd")
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, None, scale, True)
+    blocks = memory.kv_blocks(site)
+    if blocks:
+        dq = dq.to(_acc_dtype(q.dtype))
+        for j, (k_j, v_j) in enumerate(blocks):
+            dq_j, dk_j, dv_j = bwd(dout, q, k_j, v_j, out, lse, None, scale, False)
+            dq += dq_j
+            memory.kv_add_grad(site, j, dk_j, dv_j)
+    return _like(q, dq), _like(k, dk), _like(v, dv)
+
+
+@prefix_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, k_prefix, v_prefix, site, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, k_prefix, v_prefix, site, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], k_prefix, v_prefix)
+    ctx.site, ctx.scale = site, scale
+
+
+def _attention_backward(ctx, dout, dlse):
+    # `streamed_prefix_attention` returns only `out`: lse never gets a gradient
+    q, k, v, out, lse, k_prefix, v_prefix = ctx.saved_tensors
+    dq, dk, dv = prefix_attention_bwd(dout, q, k, v, out, lse, k_prefix, v_prefix, ctx.site, ctx.scale)
+    return dq, dk, dv, torch.zeros_like(k_prefix), torch.zeros_like(v_prefix), None, None
+
+
+torch.library.register_autograd("sppo::prefix_attention", _attention_backward, setup_context=_attention_setup)
+
+
+@torch.library.custom_op("sppo::kv_out", mutates_args=())
+def kv_out(x: torch.Tensor, slot: int) -> torch.Tensor:
+    """Hand the chunk's own K (slot 2s) or V (2s + 1) of site s to the skeleton; returns
+    an empty handle that stands for it among the chunk's outputs."""
+    _memory("kv_out").kv_out(x, slot)
+    return _handle_like(x)
+
+
+@kv_out.register_fake
+def _(x, slot):
+    return _handle_like(x)
+
+
+@torch.library.custom_op("sppo::kv_grad", mutates_args=())
+def kv_grad(handle: torch.Tensor, slot: int) -> torch.Tensor:
+    """The gradient of the chunk's own K or V summed over every later chunk (zeros when no
+    later chunk read it)."""
+    shape = handle.shape[:-1]
+    g = _memory("kv_grad").kv_grad(slot)
+    if g is None:
+        return handle.new_zeros(shape)
+    if tuple(g.shape) != tuple(shape):
+        raise SppoError(f"sppo.kv_grad slot {slot}: the skeleton holds a gradient of shape {tuple(g.shape)}, "
+                        f"the graph expects {tuple(shape)}")
+    return g.to(handle.dtype).contiguous()
+
+
+@kv_grad.register_fake
+def _(handle, slot):
+    return handle.new_empty(handle.shape[:-1])
+
+
+def _kv_out_setup(ctx, inputs, output):
+    ctx.slot = inputs[1]
+
+
+def _kv_out_backward(ctx, grad_handle):
+    return kv_grad(grad_handle, ctx.slot), None
+
+
+torch.library.register_autograd("sppo::kv_out", _kv_out_backward, setup_context=_kv_out_setup)
+
+
+def streamed_prefix_attention(q, k_prefix, k, v_prefix, v, site: int, scale=None, enable_gqa=False):
+    """`sppo_fx.attention.prefix_causal_attention` with the prefix in the skeleton:
+    `k_prefix`, `v_prefix` are empty handles (shape [b, h_kv, p, d, 0]).
+
+    Args:
+        q: [b, h, c, d]; k, v: [b, h_kv, c, d] the chunk's own keys/values.
+        k_prefix, v_prefix: handles of the prefix (never read).
+        site: the attention site (index into the program's `attention`).
+        scale: softmax scale (default 1/sqrt(d)).
+        enable_gqa: accepted for signature parity (grouped heads are always allowed).
+
+    Returns:
+        [b, h, c, d] attention output.
+    """
+    from sppo_fx.ops.chunk_attention import _default_scale
+    return prefix_attention(q, k, v, k_prefix, v_prefix, site, _default_scale(q, scale))[0]

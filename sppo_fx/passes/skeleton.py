@@ -1,0 +1,66 @@
+"""The skeleton pass: the chunk program's K/V prefix moves from its inputs to the runtime.
+
+    chunk program                                     after stream_kv_skeleton
+    ─────────────                                     ────────────────────────
+    placeholder s_k_prefix  [b, h_kv, p, d]           placeholder s_k_prefix  [b, h_kv, p, d, 0]  (handle)
+    out = prefix_causal_attention(                    out = streamed_prefix_attention(
+            q, s_k_prefix, k, s_v_prefix, v)                  q, s_k_prefix, k, s_v_prefix, v, site=s)
+    return (..., k, v)                                hk = sppo.kv_out(k, 2s); hv = sppo.kv_out(v, 2s+1)
+                                                      return (..., hk, hv)                  (handles)
+
+The program's signature keeps its shape (one prefix input per site and K/V, one K/V
+output per site), but prefixes and K/V outputs are empty handles: the data lives in the
+executor's `runtime.skeleton.KVSkeleton` and the attention op streams it in one earlier
+chunk at a time (`sppo_fx.ops.skeleton`). The K/V skeleton can then leave the device.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from sppo_fx.attention import prefix_causal_attention
+from sppo_fx.errors import SppoError
+from sppo_fx.ops.skeleton import streamed_prefix_attention
+
+
+def stream_kv_skeleton(chunk: fx.GraphModule, num_sites: int) -> fx.GraphModule:
+    """A copy of `chunk` whose K/V prefix and K/V outputs are skeleton handles.
+
+    Args:
+        chunk: the chunk program (`ChunkedProgram.chunk`).
+        num_sites: its attention sites (`len(ChunkedProgram.attention)`).
+
+    Returns:
+        The new GraphModule (the input is unchanged).
+    """
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(chunk.graph, {}))
+    gm = fx.GraphModule(chunk, graph, class_name=type(chunk).__name__)
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is prefix_causal_attention]
+    if len(sites) != num_sites:
+        raise SppoError(f"stream_kv_skeleton: the chunk program has {len(sites)} prefix attention calls, "
+                        f"its ChunkedProgram lists {num_sites} attention sites")
+    outputs = list(out_node.args[0])
+    first_kv = len(outputs) - 2 * num_sites
+    for s, node in enumerate(sites):
+        q, kp, k, vp, v = node.args
+        for prefix in (kp, vp):
+            if prefix.op != "placeholder" or len(prefix.users) != 1:
+                raise SppoError(f"stream_kv_skeleton: the K/V prefix {prefix.name} of attention site {s} is "
+                                "used by more than the attention call; its prefix cannot be streamed")
+        if outputs[first_kv + 2 * s] is not k or outputs[first_kv + 2 * s + 1] is not v:
+            raise SppoError(f"stream_kv_skeleton: the K/V outputs of attention site {s} are not its K and V")
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_function(streamed_prefix_attention, node.args, {**node.kwargs, "site": s})
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        for j, x in enumerate((k, v)):
+            with gm.graph.inserting_before(out_node):
+                handle = gm.graph.call_function(torch.ops.sppo.kv_out.default, (x, 2 * s + j))
+            outputs[first_kv + 2 * s + j] = handle
+    out_node.args = (tuple(outputs),)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
