@@ -1,6 +1,7 @@
 """Memory benchmark: sppo_fx under memory budgets vs eager, checkpointing and torch.compile.
 
     python bench/memory.py [--model llama --size bench --seq-len 4096 --steps 2]
+    python bench/memory.py --device cuda --dtype bf16 --seq-len 16384     # on a GPU
 
 The default sequence is 4096 tokens: at 2048 the bench model's parameter gradients
 (101M fp32 parameters, 385 MiB, which every configuration holds at the end of backward)
@@ -14,12 +15,21 @@ Configurations, each in its own process (fresh allocator, fresh caches):
     sppo           sppo_fx, FLOPs-balanced chunks, no budget (compile=False unless --sppo-compile)
     sppo-50%       sppo_fx with budget = 50% of eager's measured peak extra memory (disk tier)
     sppo-25%       sppo_fx with budget = 25%
+    sppo-skel-25%  (optional) budget 25% with the K/V skeleton offloaded (skeleton="offload")
 
 Measured per configuration: median step time after one warm-up step (which includes
 tracing, compiling, calibrating), peak extra memory = the process's peak RSS (VmHWM, reset
 after the warm-up) minus its RSS just before the timed steps with gradients freed — so
 activations, temporaries and parameter gradients all count; predicted peak (sppo_fx's plan);
 the largest gradient difference from eager.
+
+On CUDA (--device cuda) the same configurations run on the GPU: peak extra memory =
+torch.cuda.max_memory_allocated() (peak stats reset after the warm-up) minus
+torch.cuda.memory_allocated() at the same point as the CPU baseline (gradients freed, just
+before the timed step), so it counts live tensors, not the caching allocator's reserve;
+the budget configurations offload to the host tier (pinned memory, CUDA streams) instead
+of disk; step times are taken between torch.cuda.synchronize() calls. --dtype bf16 runs
+the model in bfloat16 (parameters, activations and gradients).
 
 Each worker runs with MALLOC_MMAP_THRESHOLD_=131072 so that glibc returns large freed
 blocks to the OS and RSS follows the live tensors.
@@ -57,15 +67,36 @@ def _rss(field):
     return 0
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _cuda_peak(step, device):
+    """(seconds, peak extra bytes) of one step on a CUDA device: max_memory_allocated after
+    resetting the peak stats, minus what is allocated before the step."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    step()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t, torch.cuda.max_memory_allocated(device) - base
+
+
 def worker(args):
     import sppo_fx
     from sppo_fx.models import build
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = build(args.model, args.size)
+    if cuda or dtype != torch.float32:
+        model = model.to(device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(1)
     v = model.config.vocab_size
     x = torch.randint(0, v, (1, args.seq_len), generator=gen)
     y = torch.randint(0, v, (1, args.seq_len), generator=gen)
+    if cuda:
+        x, y = x.to(device), y.to(device)
     name, predicted, plan = args.config, None, None
     if name == "eager":
         step = lambda: model(x, y).backward()  # noqa: E731
@@ -80,13 +111,19 @@ def worker(args):
         compiled = torch.compile(model)
         step = lambda: compiled(x, y).backward()  # noqa: E731
     else:
-        budget = None if name == "sppo" else int(args.eager_peak * int(name.split("-")[1].rstrip("%")) / 100)
+        # sppo | sppo-N% | sppo-skel-N% (the K/V skeleton offloaded whatever the solver says)
+        budget = None if name == "sppo" else int(args.eager_peak * int(name.split("-")[-1].rstrip("%")) / 100)
+        tier = args.tier or ("host" if cuda else None)  # None: sppo_fx's default for budgets (disk)
         compiled = sppo_fx.compile(model, budget=budget, chunks=None if budget else args.chunks,
-                                   compile=args.sppo_compile, offload_dir=args.offload_dir)
+                                   compile=args.sppo_compile, offload_dir=args.offload_dir,
+                                   offload=tier if budget else None,
+                                   skeleton="offload" if "-skel-" in name else "auto")
         step = lambda: compiled(x, y).backward()  # noqa: E731
     model.zero_grad(set_to_none=True)
     t = time.perf_counter()
     step()
+    if cuda:
+        torch.cuda.synchronize(device)
     warmup = time.perf_counter() - t
     if name.startswith("sppo"):
         plan = compiled.plan
@@ -94,6 +131,11 @@ def worker(args):
     times, peaks = [], []
     for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
+        if cuda:
+            dt, peak = _cuda_peak(step, device)
+            times.append(dt)
+            peaks.append(peak)
+            continue
         base = _rss("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM
@@ -102,11 +144,15 @@ def worker(args):
         times.append(time.perf_counter() - t)
         peaks.append(_rss("VmHWM") - base)
     grads = {n: p.grad for n, p in model.named_parameters()}
+    if cuda:
+        grads = {n: g.detach().float().cpu() for n, g in grads.items()}
     torch.save(grads, args.grads_out)
     print(json.dumps({"config": name, "step_s": statistics.median(times), "warmup_s": warmup,
                       "peak_extra": max(peaks), "predicted": predicted, "budget": plan.budget_bytes if plan else None,
                       "plan": str(plan) if plan else None,
-                      "recompute": getattr(plan, "recompute", None) if plan else None}))
+                      "recompute": getattr(plan, "recompute", None) if plan else None,
+                      "skeleton": getattr(plan, "skeleton", None) if plan else None,
+                      **({"device": torch.cuda.get_device_name(device)} if cuda else {})}))
 
 
 def main():
@@ -124,12 +170,22 @@ def main():
     p.add_argument("--eager-peak", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--grads-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--offload-dir", default=None, help="directory of the disk tier (default: system temp)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model runs (cuda: GPU memory stats, host-tier offload)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model dtype")
+    p.add_argument("--tier", default=None, choices=["disk", "host", "device"],
+                   help="offload tier of the budget configurations (default: disk on CPU, host on CUDA)")
+    p.add_argument("--worker-timeout", type=float, default=None,
+                   help="seconds each configuration may take (default: no limit); on expiry it is reported as failed")
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    results, eager_peak = [], 0
+    results, eager_peak, ref = [], 0, None
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
+            if args.json and results:  # what finished so far survives a kill of this run
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
             cmd = [sys.executable, __file__, "--worker", "--config", name, "--eager-peak", str(eager_peak),
                    "--grads-out", os.path.join(tmp, f"{name}.pt"), "--model", args.model, "--size", args.size,
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--chunks", str(args.chunks)]
@@ -137,47 +193,87 @@ def main():
                 cmd.append("--sppo-compile")
             if args.offload_dir:
                 cmd += ["--offload-dir", args.offload_dir]
+            if args.device != "cpu" or args.dtype != "fp32":
+                cmd += ["--device", args.device, "--dtype", args.dtype]
+            if args.tier:
+                cmd += ["--tier", args.tier]
             print(f"running {name} ...", file=sys.stderr, flush=True)
             # A fixed mmap threshold makes glibc return every large freed block to the OS,
             # so RSS follows live tensors (its dynamic threshold would keep freed gradients
             # resident and hide them from the next step's peak).
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
-            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            t0 = time.perf_counter()
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.worker_timeout)
+            except subprocess.TimeoutExpired as e:
+                results.append({"config": name, "error": f"timed out after {args.worker_timeout:g} s"})
+                if args.device == "cuda":
+                    _echo_tail(name, e.stderr)
+                continue
             if res.returncode:
-                results.append({"config": name, "error": res.stderr.strip().splitlines()[-1]})
+                lines = res.stderr.strip().splitlines()
+                results.append({"config": name, "error": lines[-1] if lines else f"exit code {res.returncode}"})
+                if args.device == "cuda":
+                    _echo_tail(name, res.stderr)
                 continue
             r = json.loads(res.stdout.strip().splitlines()[-1])
             if name == "eager":
                 eager_peak = r["peak_extra"]
                 ref = torch.load(os.path.join(tmp, "eager.pt"))
             grads = torch.load(os.path.join(tmp, f"{name}.pt"))
-            r["max_grad_diff"] = max((grads[k] - ref[k]).abs().max().item() for k in ref)
+            r["max_grad_diff"] = (max((grads[k] - ref[k]).abs().max().item() for k in ref)
+                                  if ref is not None else float("nan"))
             results.append(r)
-    base = next(r for r in results if r["config"] == "eager")
+            if args.device == "cuda":
+                print(f"  {name}: step {r['step_s']:.3f} s, peak extra {r['peak_extra'] / 2**20:.0f} MiB, "
+                      f"max |grad - eager| {r['max_grad_diff']:.1e} ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+    base = next((r for r in results if r["config"] == "eager" and "error" not in r), None)
     rows = []
     for r in results:
         if "error" in r:
-            rows.append((r["config"], "failed: " + r["error"][:70], "", "", "", "", "", "", ""))
+            rows.append((r["config"], "failed: " + r["error"][:70], "", "", "", "", "", "", "", ""))
             continue
         budget_ok = ""
         if r.get("budget"):
             limit = r["budget"] * 1.10 + 16 * 2**20
             budget_ok = "yes" if r["peak_extra"] <= limit else "NO"
-        rows.append((r["config"], f"{r['step_s']:.2f}", f"{r['step_s'] / base['step_s']:.2f}",
-                     f"{r['peak_extra'] / 2**20:.0f}", f"{r['peak_extra'] / base['peak_extra']:.2f}",
+        rows.append((r["config"], f"{r['step_s']:.2f}", _ratio(r["step_s"], base and base["step_s"]),
+                     f"{r['peak_extra'] / 2**20:.0f}", _ratio(r["peak_extra"], base and base["peak_extra"]),
                      "-" if r.get("predicted") is None else f"{r['predicted'] / 2**20:.0f}",
                      "-" if r.get("budget") is None else f"{r['budget'] / 2**20:.0f} ({budget_ok})",
-                     r.get("recompute") or "-", f"{r['max_grad_diff']:.1e}"))
-    print(f"\nsppo_fx memory benchmark: {args.model}-{args.size}, T={args.seq_len}, batch 1, fp32, CPU "
-          f"({os.cpu_count()} cores); budgets are fractions of eager's measured peak extra memory")
+                     r.get("recompute") or "-", r.get("skeleton") or "-", f"{r['max_grad_diff']:.1e}"))
+    if args.device == "cuda":
+        where = next((r["device"] for r in results if r.get("device")), "CUDA")
+        memory = "peak extra = max_memory_allocated - allocated before the step"
+    else:
+        where, memory = f"CPU ({os.cpu_count()} cores)", None
+    print(f"\nsppo_fx memory benchmark: {args.model}-{args.size}, T={args.seq_len}, batch 1, {args.dtype}, {where}"
+          f"; budgets are fractions of eager's measured peak extra memory" + (f"; {memory}" if memory else ""))
     print(tabulate(rows, headers=["config", "step s", "vs eager", "peak extra MiB", "vs eager", "predicted MiB",
-                                  "budget MiB (within 10%+16MiB)", "recompute", "max |grad - eager|"]))
+                                  "budget MiB (within 10%+16MiB)", "recompute", "K/V skeleton",
+                                  "max |grad - eager|"]))
     for r in results:
         if r.get("plan"):
             print(f"\n{r['config']} plan:\n{r['plan']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _ratio(a, b):
+    return f"{a / b:.2f}" if b else "-"
+
+
+def _echo_tail(name, stderr, lines=25):
+    """Show the end of a failed worker's stderr (the traceback)."""
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    tail = (stderr or "").strip().splitlines()[-lines:]
+    print(f"  {name} failed; last lines of its stderr:", file=sys.stderr)
+    for line in tail:
+        print(f"    {line}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

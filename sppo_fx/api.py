@@ -203,8 +203,8 @@ class SppoCompiled:
             params = [entry.captured.param_value(n) for n in entry.program.params]
             for model in memory_models(entry.program, entry.captured.seq, params, missing):
                 entry.memory[model.recompute] = model
-        profile = self.profile or calibrate("cpu" if not torch.cuda.is_available() else "cuda", seconds=1.0,
-                                            dir=o.offload_dir)
+        device = next((entry.captured.param_value(n).device.type for n in entry.program.params), "cpu")
+        profile = self.profile or calibrate(device, seconds=1.0, dir=o.offload_dir)
         self.profile = profile
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
         skeletons = ("keep", "offload") if o.skeleton == "auto" else (o.skeleton,)

@@ -5,8 +5,9 @@ k, v [b, h_kv, c, d]; query row i sees keys 0..p+i (lower-right aligned, as
 `torch.nn.attention.bias.causal_lower_right`). The chunk pass emits
 `prefix_causal_attention(q, k_prefix, k, v_prefix, v)`:
 
-* on a GPU it runs `sppo_fx.ops.chunk_attention` (the Triton kernel, visible to Inductor)
-  on the concatenated K/V;
+* on a GPU it runs the Triton chunk-attention kernel on the concatenated K/V, as an opaque
+  op (`ops.chunk_attention.chunk_attention_opaque`: Inductor calls it like SDPA) with
+  SDPA's output layout;
 * on CPU it runs ATen's CPU flash-attention kernels with a c x (p + c) mask inside an
   autograd.Function that saves only its inputs (the prefix is a view of the runtime's K/V
   buffer), not the concatenation, so saved memory stays linear in the sequence length;
@@ -81,8 +82,8 @@ def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=
         [b, h, c, d] attention output.
     """
     if q.device.type != "cpu" and _triton_ready():
-        from sppo_fx.ops import chunk_attention
-        return chunk_attention(q, torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2), scale=scale)
+        from sppo_fx.ops.chunk_attention import chunk_attention_opaque
+        return chunk_attention_opaque(q, torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2), scale=scale)
     if q.device.type == "cpu" and q.dtype in _FLASH_CPU_DTYPES:
         return _PrefixAttentionCPU.apply(q, k_prefix, k, v_prefix, v, scale)
     return chunk_causal_attention(q, torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2), scale, enable_gqa)

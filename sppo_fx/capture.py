@@ -8,6 +8,7 @@ sequence dim of every input that has the sequence length marked dynamic.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable
 
 import sympy
@@ -103,7 +104,73 @@ class Captured:
         """A fresh GraphModule over a copy of the exported graph (passes may mutate it)."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.program.graph_module.graph, {}))
+        inline_grad_mode_regions(graph, self.program.graph_module)
         return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def inline_grad_mode_regions(graph: fx.Graph, owner: torch.nn.Module) -> None:
+    """Replace torch.export's `wrap_with_set_grad_enabled` regions by their ops, in place.
+
+    A model's `torch.no_grad()` block (e.g. Hugging Face's rotary embedding before
+    transformers 5.2x) is exported as a higher-order op over a submodule of `owner`; the
+    passes work on plain ATen ops. A region that turns grad off gets its outputs detached
+    when one of its inputs may require grad (derives from a placeholder that does), so no
+    gradient flows through it, as in the model.
+    """
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    if hop is None:
+        return
+    grad: set[fx.Node] = set()  # nodes whose value may require grad
+    erased: set[fx.Node] = set()
+    for node in list(graph.nodes):
+        if node in erased:
+            continue
+        if node.op == "placeholder":
+            if getattr(node.meta.get("val"), "requires_grad", False):
+                grad.add(node)
+            continue
+        if not (node.op == "call_function" and node.target is hop):
+            if any(a in grad for a in node.all_input_nodes):
+                grad.add(node)
+            continue
+        enabled, sub_attr, *inputs = node.args
+        sub = getattr(owner, sub_attr.target)
+        # A private copy of the region's graph, with its own nested regions inlined.
+        body = fx.Graph()
+        body_out = body.graph_copy(sub.graph, {})
+        body.output(body_out)
+        inline_grad_mode_regions(body, sub)
+        placeholders = [n for n in body.nodes if n.op == "placeholder"]
+        env = dict(zip(placeholders, inputs))
+        with graph.inserting_before(node):
+            for n in body.nodes:
+                if n.op in ("placeholder", "output"):
+                    continue
+                env[n] = graph.node_copy(n, lambda a: env[a])
+            outs = fx.node.map_arg(next(n for n in body.nodes if n.op == "output").args[0], lambda a: env[a])
+            in_grad = any(isinstance(a, fx.Node) and a in grad for a in inputs)
+            if in_grad and enabled:
+                grad.update(env[n] for n in body.nodes if n in env)
+            elif in_grad:
+                def detach(v):
+                    d = graph.call_function(torch.ops.aten.detach.default, (v,))
+                    d.meta.update(v.meta)
+                    return d
+                outs = fx.node.map_arg(outs, detach)
+        if isinstance(outs, (tuple, list)):
+            for user in list(node.users):
+                if user.op == "call_function" and user.target is operator.getitem:
+                    user.replace_all_uses_with(outs[user.args[1]])
+                    graph.erase_node(user)
+                    erased.add(user)
+        else:
+            node.replace_all_uses_with(outs)
+        if node.users:
+            raise SppoError(f"cannot inline the grad-mode region {node.name}: its outputs are used "
+                            "other than by indexing")
+        graph.erase_node(node)
+        if not sub_attr.users:
+            graph.erase_node(sub_attr)
 
 
 def input_labels(args: tuple, kwargs: dict, target) -> list[str]:

@@ -1,6 +1,7 @@
 """Shared helpers: eager reference gradients and a builder for hand-made FX graphs."""
 from __future__ import annotations
 
+import functools
 
 import pytest
 import torch
@@ -8,7 +9,22 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+from sppo_fx._compat import symbolic_dispatch
+
 RTOL, ATOL = 1e-4, 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_program(kind):
+    """(model, Captured, ChunkedProgram) of the tiny `kind` model widened so that its saved
+    activations pass the offload threshold; built once per session."""
+    from sppo_fx.capture import capture
+    from sppo_fx.models import build
+    from sppo_fx.passes import transform
+    model = build(kind, "tiny", **({"n_embd": 128} if kind == "gpt" else {"dim": 128, "ffn_dim": 256}))
+    x = torch.randint(0, 97, (2, 64))
+    cap = capture(model, None, None, (x, x), {}, None, 1)
+    return model, cap, transform(cap)[1]
 
 
 def eager_loss_and_grads(model, call):
@@ -72,7 +88,7 @@ class HandGraph:
     def call(self, target, *args, **kwargs):
         node = self.graph.call_function(target, args, kwargs)
         vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.mode:
+        with self.mode, symbolic_dispatch():
             node.meta["val"] = target(*vals[0], **vals[1])
         node.meta["stack_trace"] = f'File "hand_built.py", line {len(self.graph.nodes)}, in forward\n    {node.name} = ...'
         return node

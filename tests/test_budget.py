@@ -1,12 +1,12 @@
 """The budget solver and budget-driven offload plans."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from conftest import tiny_program
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -75,14 +75,6 @@ def test_plan_with_offload_round_trips_and_prints():
         Plan(10, [6, 4], offload_ratios=[1.5, 0.0])
 
 
-@functools.lru_cache(maxsize=None)
-def _program(kind):
-    model = build(kind, "tiny", **({"n_embd": 128} if kind == "gpt" else {"dim": 128, "ffn_dim": 256}))
-    x = torch.randint(0, 97, (2, 64))
-    cap = capture(model, None, None, (x, x), {}, None, 1)
-    return model, cap, transform(cap)[1]
-
-
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["gpt", "llama"]), cuts=st.sets(st.integers(1, 63), min_size=1, max_size=5),
@@ -90,7 +82,7 @@ def _program(kind):
 def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, quotas, seed):
     """Any plan (random chunking, random byte quotas per chunk, None = every saved tensor)
     gives bitwise the same loss and gradients as the same chunking without offload."""
-    model, cap, program = _program(kind)
+    model, cap, program = tiny_program(kind)
     torch.manual_seed(seed)
     x, y = torch.randint(0, 97, (2, 64)), torch.randint(0, 97, (2, 64))
     bounds = [0, *sorted(cuts), 64]
@@ -115,7 +107,7 @@ def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, 
 
 
 def test_every_saved_tensor_on_disk_through_the_api(tmp_path):
-    model, _, _ = _program("llama")
+    model, _, _ = tiny_program("llama")
     x, y = torch.randint(0, 97, (2, 64)), torch.randint(0, 97, (2, 64))
     plain = sppo_fx.compile(model, chunks=4, compile=False)
     loss = plain(x, y)
@@ -160,3 +152,17 @@ def solve_min(compiled, seq_len):
     except InfeasibleBudget as e:
         return e.minimum_bytes
     raise AssertionError("a 1-byte budget was feasible")
+
+
+def test_memory_models_of_a_model_on_another_device():
+    """The cost model's fake inputs go on the model's device: on an H200 a CUDA model failed
+    here ("Tensor on device cpu is not on the expected device cuda:0", at RoPE's
+    outer(arange, inv_freq)); the meta device has the same device check and no data."""
+    from sppo_fx.solver.budget import memory_models
+    model = build("llama", "tiny").to("meta")
+    x = torch.randint(0, 97, (1, 64)).to("meta")
+    cap = capture(model, None, None, (x, x), {}, None, 1)
+    program = transform(cap)[1]
+    params = [cap.param_value(n) for n in program.params]
+    (mem,) = memory_models(program, cap.seq, params, ("none",))
+    assert mem.level1(16, 32) > 0 and mem.level2(16, 32) > 0

@@ -225,6 +225,20 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch
     torch.set_num_threads(1)
+    import numpy as np
+    import triton.runtime.interpreter as triton_interpreter
+    try:
+        int(np.ones(1))
+    except TypeError:
+        # NumPy >= 2.4 refuses int() of a 1-element array, which older Triton interpreters
+        # (3.6) use for a scalar tensor's __index__ (a loop bound): index via squeeze, as
+        # newer Triton does.
+        _patch_tensor = getattr(triton_interpreter, "_patch_lang_tensor", None)
+        if _patch_tensor is not None:
+            def _patch_lang_tensor(tensor, scope):
+                _patch_tensor(tensor, scope)
+                scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+            triton_interpreter._patch_lang_tensor = _patch_lang_tensor
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
     import importlib
@@ -528,3 +542,20 @@ def test_triton_kernels_compile_for_sm90(aot_results):
     assert len(aot) == 7
     for name, info in aot.items():
         assert info["shared"] <= 227 * 1024, f"{name} needs {info['shared']} bytes of shared memory"
+
+
+def test_opaque_op_matches_the_op_with_sdpa_output_layout():
+    """The opaque variant (what compiled chunk programs call on a GPU) computes the same
+    attention and returns SDPA's [b, c, h, d] memory layout; through torch.compile too."""
+    from sppo_fx.ops.chunk_attention import chunk_attention_opaque
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 13, 16, requires_grad=True) for _ in range(2))
+    ref = chunk_attention(q, k, v)
+    ref_grads = torch.autograd.grad(ref.sum(), [q, k, v])
+    for fn in (chunk_attention_opaque, torch.compile(chunk_attention_opaque, backend="aot_eager", fullgraph=True)):
+        out = fn(q, k, v)
+        assert out.stride() == out.transpose(1, 2).contiguous().transpose(1, 2).stride()
+        torch.testing.assert_close(out, ref)
+        for g, r in zip(torch.autograd.grad(out.sum(), [q, k, v]), ref_grads):
+            torch.testing.assert_close(g, r)

@@ -2,7 +2,6 @@
 runtime's KVSkeleton, the store's kept copies, the solver's placement, and exactness."""
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -10,14 +9,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import tiny_program
+
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
 from sppo_fx.attention import chunk_causal_attention, prefix_causal_attention
-from sppo_fx.capture import capture
 from sppo_fx.models import build
 from sppo_fx.ops.skeleton import prefix_attention, streamed_prefix_attention
 from sppo_fx.ops.offload import active_memory
-from sppo_fx.passes import transform
 from sppo_fx.passes.skeleton import stream_kv_skeleton
 from sppo_fx.runtime.local import chunked_loss
 from sppo_fx.runtime.memory import ChunkMemory
@@ -25,14 +24,6 @@ from sppo_fx.runtime.skeleton import KVSkeleton
 from sppo_fx.runtime.store import ActivationStore
 from sppo_fx.solver.budget import MemoryModel, predict_peak, solve
 from sppo_fx.solver.partition import ChunkCostModel
-
-
-@functools.lru_cache(maxsize=None)
-def _program(kind):
-    model = build(kind, "tiny", **({"n_embd": 128} if kind == "gpt" else {"dim": 128, "ffn_dim": 256}))
-    x = torch.randint(0, 97, (2, 64))
-    cap = capture(model, None, None, (x, x), {}, None, 1)
-    return model, cap, transform(cap)[1]
 
 
 def _grads(model):
@@ -44,7 +35,7 @@ def _grads(model):
 # ---- the pass --------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_pass_moves_prefix_and_kv_outputs_to_the_skeleton(kind):
-    _, _, program = _program(kind)
+    _, _, program = tiny_program(kind)
     sites = len(program.attention)
     gm = stream_kv_skeleton(program.chunk, sites)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -61,7 +52,7 @@ def test_pass_moves_prefix_and_kv_outputs_to_the_skeleton(kind):
 
 
 def test_pass_refuses_a_site_count_that_disagrees():
-    _, _, program = _program("gpt")
+    _, _, program = tiny_program("gpt")
     with pytest.raises(SppoError, match="attention sites"):
         stream_kv_skeleton(program.chunk, len(program.attention) + 1)
 
@@ -163,7 +154,7 @@ def test_memory_without_a_skeleton_says_what_is_missing():
 # ---- exactness ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_offloaded_skeleton_matches_eager(kind, tmp_path):
-    model, _, _ = _program(kind)
+    model, _, _ = tiny_program(kind)
     torch.manual_seed(1)
     x, y = torch.randint(0, 97, (2, 96)), torch.randint(0, 97, (2, 96))
     ref = model(x, y)
@@ -190,7 +181,7 @@ def test_offloaded_skeleton_matches_eager(kind, tmp_path):
 def test_random_plans_with_the_skeleton_on_disk_are_bitwise_neutral(tmp_path_factory, kind, cuts, quotas, seed):
     """The skeleton (and any share of the activations) on disk gives bitwise the loss and
     gradients of the same chunking with everything on the device."""
-    model, cap, program = _program(kind)
+    model, cap, program = tiny_program(kind)
     torch.manual_seed(seed)
     x, y = torch.randint(0, 97, (2, 64)), torch.randint(0, 97, (2, 64))
     bounds = [0, *sorted(cuts), 64]
@@ -211,7 +202,7 @@ def test_random_plans_with_the_skeleton_on_disk_are_bitwise_neutral(tmp_path_fac
 
 
 def test_offloaded_skeleton_under_inductor_matches_eager(tmp_path):
-    model, _, _ = _program("llama")
+    model, _, _ = tiny_program("llama")
     torch.manual_seed(2)
     x, y = torch.randint(0, 97, (1, 128)), torch.randint(0, 97, (1, 128))
     ref = model(x, y)

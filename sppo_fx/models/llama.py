@@ -126,6 +126,8 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
         x = self.tok_embeddings(tokens)
+        # tables in fp32, applied in the activations' dtype (bf16 q/k must stay bf16 next to v)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         logits = self.output(self.norm(x))

@@ -705,6 +705,12 @@ def _kernels_interpreted() -> bool:
 _INTERPRETED = _kernels_interpreted()  # TRITON_INTERPRET=1 was set when triton was imported
 
 
+def _wrap_triton(kernel):
+    """``wrap_triton(kernel)``; an interpreter kernel (TRITON_INTERPRET=1) launches as it is,
+    since it cannot be traced (torch 2.13 passes it through; torch 2.11 raises on it)."""
+    return kernel if _INTERPRETED else wrap_triton(kernel)
+
+
 def _needs_upcast(dtype: torch.dtype) -> bool:
     """True under TRITON_INTERPRET=1 for bf16 (see ``_dot``); always False on a GPU build."""
     return _INTERPRETED and dtype == torch.bfloat16
@@ -735,7 +741,7 @@ def _launch_fwd(
     cfg = _kernel_config("fwd", q.dtype, block_d, block_m, block_n)
     grid = (triton.cdiv(c, cfg["BLOCK_M"]), b * h, 1)
     upcast = _needs_upcast(q.dtype)
-    kernel = _chunk_attn_fwd_kernel if direct else wrap_triton(_chunk_attn_fwd_kernel)
+    kernel = _chunk_attn_fwd_kernel if direct else _wrap_triton(_chunk_attn_fwd_kernel)
     kernel[grid](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -773,7 +779,7 @@ def _launch_bwd(
     group = h // h_kv
 
     delta = torch.empty((b, h, c), dtype=torch.float32, device=q.device)
-    pre = _chunk_attn_bwd_preprocess_kernel if direct else wrap_triton(_chunk_attn_bwd_preprocess_kernel)
+    pre = _chunk_attn_bwd_preprocess_kernel if direct else _wrap_triton(_chunk_attn_bwd_preprocess_kernel)
     pre[(triton.cdiv(c, 64), b * h, 1)](
         out, dout, dlse if dlse is not None else delta, delta,
         out.stride(0), out.stride(1), out.stride(2),
@@ -783,7 +789,7 @@ def _launch_bwd(
     )
 
     cfg = _kernel_config("dkdv", q.dtype, block_d, block_m, block_n)
-    dkdv = _chunk_attn_bwd_dkdv_kernel if direct else wrap_triton(_chunk_attn_bwd_dkdv_kernel)
+    dkdv = _chunk_attn_bwd_dkdv_kernel if direct else _wrap_triton(_chunk_attn_bwd_dkdv_kernel)
     dkdv[(triton.cdiv(n, cfg["BLOCK_N"]), b * h_kv, 1)](
         q, k, v, dout, lse, delta, dk, dv,
         q.stride(0), q.stride(1), q.stride(2),
@@ -797,7 +803,7 @@ def _launch_bwd(
     )
 
     cfg = _kernel_config("dq", q.dtype, block_d, block_m, block_n)
-    dqk = _chunk_attn_bwd_dq_kernel if direct else wrap_triton(_chunk_attn_bwd_dq_kernel)
+    dqk = _chunk_attn_bwd_dq_kernel if direct else _wrap_triton(_chunk_attn_bwd_dq_kernel)
     dqk[(triton.cdiv(c, cfg["BLOCK_M"]), b * h, 1)](
         q, k, v, dout, lse, delta, dq,
         q.stride(0), q.stride(1), q.stride(2),
@@ -936,6 +942,82 @@ def _backward(ctx, dout, dlse):
 torch.library.register_autograd(
     "sppo_fx::chunk_attention_fwd", _backward, setup_context=_setup_context
 )
+
+
+# ----------------------------------------------------------------------------------------
+# Opaque variant for compiled chunk programs
+# ----------------------------------------------------------------------------------------
+#
+# Inside an Inductor-compiled graph, `triton_op` kernels are recompiled by Inductor itself;
+# with torch 2.11 + Triton 3.6 on an H200 that compile failed (a `tl.dot` accumulator
+# assertion) while the same kernels launched directly passed every test. These ops wrap
+# the kernels as opaque custom ops (Inductor calls them like an extern kernel, as it calls
+# SDPA), and return SDPA's output layout ([b, c, h, d] memory, viewed as [b, h, c, d]),
+# which is what the captured graph's views after attention were traced against.
+
+
+def bshd_empty_like(q: Tensor, dtype=None) -> Tensor:
+    """An empty [b, h, c, d] tensor laid out as [b, c, h, d] (SDPA's output layout)."""
+    b, h, c, d = q.shape
+    return q.new_empty((b, c, h, d), dtype=dtype or q.dtype).transpose(1, 2)
+
+
+def _as_layout(like: Tensor, x: Tensor) -> Tensor:
+    return x if x.stride() == like.stride() else like.copy_(x)
+
+
+@torch.library.custom_op("sppo_fx::chunk_attention_opaque", mutates_args=())
+def _chunk_attention_opaque(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
+    out, lse = torch.ops.sppo_fx.chunk_attention_fwd(q, k, v, scale, causal)
+    return _as_layout(bshd_empty_like(q), out), lse
+
+
+@_chunk_attention_opaque.register_fake
+def _(q, k, v, scale, causal):
+    out, lse = _chunk_attention_fwd_fake(q, k, v, scale, causal)
+    return bshd_empty_like(q), lse
+
+
+@torch.library.custom_op("sppo_fx::chunk_attention_opaque_bwd", mutates_args=())
+def _chunk_attention_opaque_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                scale: float, causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.ops.sppo_fx.chunk_attention_bwd(dout, q, k, v, out, lse, None, scale, causal)
+    return (_as_layout(torch.empty_like(q), dq), _as_layout(torch.empty_like(k), dk),
+            _as_layout(torch.empty_like(v), dv))
+
+
+@_chunk_attention_opaque_bwd.register_fake
+def _(dout, q, k, v, out, lse, scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _opaque_setup(ctx, inputs, output):
+    q, k, v, scale, causal = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+    ctx.scale, ctx.causal = scale, causal
+
+
+def _opaque_backward(ctx, dout, dlse):
+    # callers use only `out` (dlse is None or zeros)
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _chunk_attention_opaque_bwd(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd("sppo_fx::chunk_attention_opaque", _opaque_backward, setup_context=_opaque_setup)
+
+
+def chunk_attention_opaque(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None) -> Tensor:
+    """`chunk_attention` (lower-right causal) as an opaque op with SDPA's output layout.
+
+    Args:
+        q: [b, h, c, d]; k, v: [b, h_kv, p + c, d].
+        scale: softmax scale (default 1/sqrt(d)).
+
+    Returns:
+        [b, h, c, d] (memory laid out as [b, c, h, d]).
+    """
+    return torch.ops.sppo_fx.chunk_attention_opaque(q, k, v, _default_scale(q, scale), True)[0]
 
 
 # ----------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from sppo_fx.errors import SppoError
+from sppo_fx.ops.chunk_attention import bshd_empty_like
 from sppo_fx.ops.offload import _handle_like, _memory
 
 
@@ -57,19 +58,21 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix
             o_j, lse_j = chunk_attention_with_lse(q, k_j, v_j, scale, causal=False)
             acc, lse = _merge(acc, lse, o_j, lse_j)
         out = acc
-    return _like(q, out), lse.contiguous()
+    return _into(bshd_empty_like(q), out), lse.contiguous()
 
 
-def _like(ref: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x in ref's dtype and strides (the layout the fake implementation promised)."""
-    if x.dtype == ref.dtype and x.stride() == ref.stride():
+def _into(empty: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x with `empty`'s dtype and strides (the layout the fake implementation promised):
+    x itself when they already agree, else `empty` filled with x."""
+    if x.dtype == empty.dtype and x.stride() == empty.stride():
         return x
-    return torch.empty_like(ref).copy_(x)
+    return empty.copy_(x)
 
 
 @prefix_attention.register_fake
 def _(q, k, v, k_prefix, v_prefix, site, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_acc_dtype(q.dtype))  # lse contiguous
+    # SDPA's output layout ([b, c, h, d] memory): the captured graph's views after attention
+    return bshd_empty_like(q), q.new_empty(q.shape[:-1], dtype=_acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("sppo::prefix_attention_bwd", mutates_args=())
@@ -92,7 +95,7 @@ def prefix_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             dq_j, dk_j, dv_j = bwd(dout, q, k_j, v_j, out, lse, None, scale, False)
             dq += dq_j
             memory.kv_add_grad(site, j, dk_j, dv_j)
-    return _like(q, dq), _like(k, dk), _like(v, dv)
+    return _into(torch.empty_like(q), dq), _into(torch.empty_like(k), dk), _into(torch.empty_like(v), dv)
 
 
 @prefix_attention_bwd.register_fake

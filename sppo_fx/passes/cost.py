@@ -604,12 +604,19 @@ def symbolic_values(program, seq=None, hints: tuple[int, int] = (7, 11)) -> dict
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    from sppo_fx._compat import symbolic_dispatch
+
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     c_sym = env.create_symbol(hints[0], ConstantSource("sppo_c"))
     p_sym = env.create_symbol(hints[1], ConstantSource("sppo_p"))
     c_int = env.create_symintnode(c_sym, hint=hints[0])
     p_int = env.create_symintnode(p_sym, hint=hints[1])
+    # the program's own constants (get_attr buffers, e.g. RoPE's inv_freq) are real tensors:
+    # its fake inputs go on their device
+    metas = [n.meta.get("val") for n in program.chunk.graph.nodes if n.op == "placeholder"]
+    device = next((t.device for t in (*metas, *program.chunk.buffers()) if isinstance(t, torch.Tensor)),
+                  torch.device("cpu"))
     args = []
     with mode:
         for name, role, spec in _input_specs(program, seq):
@@ -620,7 +627,7 @@ def symbolic_values(program, seq=None, hints: tuple[int, int] = (7, 11)) -> dict
             else:
                 shape, dtype = spec
                 fill = p_int if role == "prefix" else c_int
-                args.append(torch.empty([fill if s is None else s for s in shape], dtype=dtype))
+                args.append(torch.empty([fill if s is None else s for s in shape], dtype=dtype, device=device))
         values: dict[fx.Node, object] = {}
 
         current = []
@@ -633,7 +640,8 @@ def symbolic_values(program, seq=None, hints: tuple[int, int] = (7, 11)) -> dict
                 return r
 
         try:
-            _Recorder(program.chunk).run(*args)
+            with symbolic_dispatch():
+                _Recorder(program.chunk).run(*args)
         except SppoError:
             raise
         except Exception as e:  # noqa: BLE001 - report which node failed

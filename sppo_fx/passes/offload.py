@@ -108,8 +108,8 @@ def tag_recompute(joint: fx.GraphModule, policy: str) -> fx.GraphModule:
 
 
 def _hint(x) -> int:
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-    return optimization_hint(x) if isinstance(x, torch.SymInt) else int(x)
+    from sppo_fx._compat import optimization_hint
+    return optimization_hint(x)
 
 
 def _dim_order(val: torch.Tensor) -> list[int] | None:

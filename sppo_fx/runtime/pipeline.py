@@ -140,7 +140,8 @@ def rank_budget_plan(options, program, cap, params, plan: Plan, world: int, rank
     from sppo_fx.solver.budget import budget_plan, memory_models, solve
     from sppo_fx.solver.profiles import calibrate
     (mem,) = memory_models(program, cap.seq, params, ("none" if options.recompute == "auto" else options.recompute,))
-    profile = calibrate("cuda" if torch.cuda.is_available() else "cpu", seconds=1.0, dir=options.offload_dir)
+    device = next((t.device.type for t in params), "cpu")
+    profile = calibrate(device, seconds=1.0, dir=options.offload_dir)
     bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(options.offload,
                                                                                            float("inf"))
     inflight = inflight_microbatches(options.schedule, world, microbatches, plan.num_chunks, rank)

@@ -346,8 +346,13 @@ class _Core:
                 staging = rec.host
             if on_cuda:
                 _, h2d = self._cuda_streams(rec.device)
+                # allocated on the compute stream (its pool serves the tensor's later users);
+                # the copy waits until that stream is done with the block's previous owner
+                out = make(device=rec.device)
+                allocated = torch.cuda.Event()
+                allocated.record(torch.cuda.current_stream(rec.device))
                 with torch.cuda.stream(h2d):
-                    out = make(device=rec.device)
+                    h2d.wait_event(allocated)
                     out.copy_(staging, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(h2d)
@@ -381,6 +386,8 @@ class _Core:
         with self.lock:
             path, rec.path = rec.path, None
             rec.host = rec.result = None
+            if rec.read_future is not None and rec.read_future.done():
+                rec.read_future = None  # a finished read's Future holds the read-back tensor
             if rec.state != "failed":
                 rec.state = "released"
             self._account(rec, on_device=0 if rec.src is None else rec.on_device, offloaded=0)
