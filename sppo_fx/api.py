@@ -207,7 +207,8 @@ class SppoCompiled:
         profile = self.profile or calibrate(device, seconds=1.0, dir=o.offload_dir)
         self.profile = profile
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
-        skeletons = ("keep", "offload") if o.skeleton == "auto" else (o.skeleton,)
+        # the skeleton can only leave the device for a tier
+        skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
         chosen = solve(entry.cost, [entry.memory[r] for r in policies], seq_len, o.budget,
                        rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half, skeletons=skeletons)
         plan = budget_plan(seq_len, chosen, o.budget, o.offload)
@@ -369,7 +370,8 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             matmuls and attention ("cheap") or the whole chunk ("full") in backward
             instead of saving it.
         skeleton: "auto", "keep" or "offload": where the K/V skeleton lives (see
-            `CompileOptions`); "offload" needs an `offload` tier (or a budget) and stages=1.
+            `CompileOptions`); "offload" needs an `offload` tier (a budget implies "disk")
+            and stages=1.
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -389,7 +391,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         raise SppoError(f"skeleton={skeleton!r}: choose 'auto', 'keep' or 'offload'")
     if skeleton == "offload" and offload is None:
         raise SppoError("skeleton='offload' moves the K/V skeleton to an offload tier: give offload='disk' "
-                        "(or 'host'), or a budget")
+                        "(or 'host'), or a budget (which offloads to 'disk' by default)")
     if skeleton == "offload" and int(stages) > 1:
         raise SppoError("skeleton='offload' is not supported with pipeline stages yet (stages > 1): "
                         "use skeleton='keep' or 'auto'")

@@ -240,10 +240,12 @@ def test_offloading_the_skeleton_lowers_the_predicted_peak():
     keep = predict_peak(MEM, lengths, ratios, "keep")
     off = predict_peak(MEM, lengths, ratios, "offload")
     skeleton = 8192 * 4096
-    # the kept skeleton leaves the device; a stream buffer (two blocks of one site), the
-    # dK/dV accumulators and the chunks' own K/V (now saved by their graphs) stay
+    # kept: the skeleton buffer and the chunks' own K/V outputs (saved by their graphs too);
+    # offloaded: a stream buffer (two blocks of one site) and the last two chunks' own K/V
+    # (the current one, and the previous one's prefetched activations) among their saved
+    # tensors; the dK/dV accumulators stay in both
     stream, own_kv = 2 * 8192 * 512 // 4, 8192 * 512
-    assert keep - off == skeleton - stream - 2 * own_kv
+    assert keep - off == 2 * skeleton - stream - 2 * own_kv
 
 
 def test_solver_offloads_the_skeleton_only_when_the_budget_requires_it():

@@ -57,6 +57,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix
         for k_j, v_j in blocks:
             o_j, lse_j = chunk_attention_with_lse(q, k_j, v_j, scale, causal=False)
             acc, lse = _merge(acc, lse, o_j, lse_j)
+            del k_j, v_j, o_j  # before the stream reads the block after next
         out = acc
     return _into(bshd_empty_like(q), out), lse.contiguous()
 
@@ -95,6 +96,7 @@ def prefix_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             dq_j, dk_j, dv_j = bwd(dout, q, k_j, v_j, out, lse, None, scale, False)
             dq += dq_j
             memory.kv_add_grad(site, j, dk_j, dv_j)
+            del k_j, v_j, dq_j, dk_j, dv_j  # before the stream reads the block after next
     return _into(torch.empty_like(q), dq), _into(torch.empty_like(k), dk), _into(torch.empty_like(v), dv)
 
 

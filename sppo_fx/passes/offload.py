@@ -42,7 +42,7 @@ RECOMPUTE_POLICIES = ("none", "cheap", "full")
 # Outputs worth saving under the "cheap" policy (their recompute costs real FLOPs).
 _EXPENSIVE = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution",
               "_scaled_dot_product", "scaled_dot_product", "_flash_attention", "_efficient_attention",
-              "chunk_attention", "prefix_causal")
+              "chunk_attention", "prefix_causal", "prefix_attention")
 
 
 @dataclasses.dataclass(frozen=True)

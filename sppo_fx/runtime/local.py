@@ -12,7 +12,8 @@ single-process run of a whole model (`chunked_loss`).
 
 Each chunk keeps its own autograd graph; its K/V prefix and received activations enter it
 as detached leaves, so chunk j's backward runs only after every later chunk has
-contributed to dK_j, dV_j. A `StageRunner` does this for one pipeline stage and any
+contributed to dK_j, dV_j. (With skeleton="offload" the prefix is an empty handle and the
+K/V data and gradients flow through `runtime.skeleton.KVSkeleton`: `sppo_fx.ops.skeleton`.) A `StageRunner` does this for one pipeline stage and any
 number of micro-batches; the distributed executor drives one per rank, and
 `chunked_loss` drives one for the whole model inside an autograd.Function so that
 `loss.backward()` fills the parameters' `.grad` as eager would.
@@ -119,8 +120,9 @@ class StageRunner:
                 raise SppoError("skeleton='offload' needs an ActivationStore (store=...) to offload the K/V to")
             if chunk_fn is None:
                 chunk_fn = _eager_offload_program(program, "offload")
-            elif not (isinstance(chunk_fn, CompiledProgram) and _streams_skeleton(chunk_fn)):
-                raise SppoError("skeleton='offload' needs a chunk program compiled from "
+            elif not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload and _streams_skeleton(chunk_fn)):
+                # offload=True also keeps Inductor from reusing the buffers sppo.kv_out hands over
+                raise SppoError("skeleton='offload' needs a chunk program compiled with offload=True from "
                                 "sppo_fx.passes.skeleton.stream_kv_skeleton(program.chunk, ...)")
         elif store is not None and needs_grad and not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload):
             if chunk_fn is not None:

@@ -55,13 +55,11 @@ class KVSkeleton:
         self.store, self.offload, self.num_chunks = store, offload and store is not None, num_chunks
         self.blocks: dict[tuple[int, int], object] = {}   # (slot, chunk) -> tensor | Handle
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
-        self.stored_bytes = 0
 
     def put(self, slot: int, chunk: int, x: torch.Tensor) -> None:
         """Chunk `chunk`'s K (slot 2s) or V (2s + 1) of site s, after its forward."""
         if self.num_chunks is not None and chunk == self.num_chunks - 1:
             return  # never a prefix
-        self.stored_bytes += x.numel() * x.element_size()
         self.blocks[(slot, chunk)] = self.store.offload(x, keep=True) if self.offload else x
 
     def stream(self, site: int, chunk: int) -> BlockStream:

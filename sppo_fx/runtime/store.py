@@ -346,13 +346,10 @@ class _Core:
                 staging = rec.host
             if on_cuda:
                 _, h2d = self._cuda_streams(rec.device)
-                # allocated on the compute stream (its pool serves the tensor's later users);
-                # the copy waits until that stream is done with the block's previous owner
-                out = make(device=rec.device)
-                allocated = torch.cuda.Event()
-                allocated.record(torch.cuda.current_stream(rec.device))
+                # allocated on the copy stream, so the copy need not wait for queued compute
+                # (`wait` records the consumer's stream on it)
                 with torch.cuda.stream(h2d):
-                    h2d.wait_event(allocated)
+                    out = make(device=rec.device)
                     out.copy_(staging, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(h2d)

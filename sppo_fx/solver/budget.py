@@ -3,12 +3,13 @@ budget (DESIGN.md, Semantics 4; the paper's sequence-aware offloading).
 
 Memory model of one sequence on one device (bytes; chunk i has c_i tokens at start t_i):
 
-    L1_i   its K/V skeleton (read by every later chunk, kept for the whole step)
+    L1_i   its K/V skeleton (read by every later chunk, kept for the whole step; the chunk's
+           own K/V output, saved by its graph too, is a second copy until its backward)
     L2_i   everything else it saves for its own backward (what is offloaded)
     a_i    the fraction of L2_i offloaded (a_{N-1} = 0: the last chunk runs backward first)
 
-    forward, after chunk j:   sum_{i<=j} L1_i + sum_{i<j} (1 - a_i) L2_i + L2_j
-    backward, at chunk j:     sum_i L1_i + dK/dV (sum_{i<j} L1_i) + sum_{i<j} (1 - a_i) L2_i
+    forward, after chunk j:   2 sum_{i<=j} L1_i + sum_{i<j} (1 - a_i) L2_i + L2_j
+    backward, at chunk j:     sum_i L1_i + sum_{i<=j} L1_i + dK/dV (sum_{i<j} L1_i) + sum_{i<j} (1 - a_i) L2_i
                               + L2_j + R_j + a_{j-1} L2_{j-1} (prefetched) + parameter gradients
     peak = the largest of these, plus `fixed_bytes` (what the model allocates regardless)
 
@@ -144,16 +145,19 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
     for j in range(n):
         l1_before[j + 1] = l1_before[j] + l1[j]
         resident_before[j + 1] = resident_before[j] + (1 - ratios[j]) * l2[j]
-    # kept: the skeleton of the chunks so far; offloaded: two blocks of one site streaming in
+    # kept: the skeleton buffer of the chunks so far, plus each chunk's own K/V outputs, which
+    # its graph also saves for its backward (a second copy, alive until that backward);
+    # offloaded: two blocks of one site streaming in (own K/V are in L2)
     stream = [2 * max(l1[:j], default=0) // max(1, mem.sites) for j in range(n)]
-    held = (lambda j: stream[j]) if skeleton == "offload" else (lambda j: l1_before[j + 1])
+    kept = skeleton != "offload"
     peak = 0
     for j in range(n):  # forward
-        peak = max(peak, held(j) + resident_before[j] + l2[j] + work[j])
-    whole = stream[n - 1] if skeleton == "offload" else l1_before[n]
-    for j in range(n - 1, -1, -1):  # backward: the skeleton (or a stream buffer) + dK/dV of chunks < j
+        held = 2 * l1_before[j + 1] if kept else stream[j]
+        peak = max(peak, held + resident_before[j] + l2[j] + work[j])
+    for j in range(n - 1, -1, -1):  # backward: skeleton (+ own K/V of chunks <= j) or a stream buffer,
+        held = l1_before[n] + l1_before[j + 1] if kept else stream[n - 1]  # and dK/dV of chunks < j
         prefetched = ratios[j - 1] * l2[j - 1] if j > 0 else 0
-        peak = max(peak, whole + l1_before[j] + resident_before[j] + l2[j] + rebuilt[j] + prefetched + work[j]
+        peak = max(peak, held + l1_before[j] + resident_before[j] + l2[j] + rebuilt[j] + prefetched + work[j]
                    + mem.fixed_bytes)
     return int(peak)
 
