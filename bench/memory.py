@@ -211,8 +211,7 @@ def main():
                     _echo_tail(name, e.stderr)
                 continue
             if res.returncode:
-                lines = res.stderr.strip().splitlines()
-                results.append({"config": name, "error": lines[-1] if lines else f"exit code {res.returncode}"})
+                results.append({"config": name, "error": _error_line(res.stderr) or f"exit code {res.returncode}"})
                 if args.device == "cuda":
                     _echo_tail(name, res.stderr)
                 continue
@@ -259,6 +258,16 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _error_line(stderr: str) -> str:
+    """The exception line of a worker's traceback (not a trailing hint)."""
+    lines = [ln.strip() for ln in (stderr or "").strip().splitlines()]
+    for ln in reversed(lines):
+        head = ln.split(":", 1)[0]
+        if ":" in ln and " " not in head and (head.endswith(("Error", "Exception", "Budget")) or "." in head):
+            return ln
+    return lines[-1] if lines else ""
 
 
 def _ratio(a, b):
