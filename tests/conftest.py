@@ -14,10 +14,17 @@ from sppo_fx._compat import symbolic_dispatch
 RTOL, ATOL = 1e-4, 1e-5
 
 
-@functools.lru_cache(maxsize=None)
 def tiny_program(kind):
     """(model, Captured, ChunkedProgram) of the tiny `kind` model widened so that its saved
-    activations pass the offload threshold; built once per session."""
+    activations pass the offload threshold; built once per session and shared between
+    tests, so its gradients are cleared on every call."""
+    model, cap, program = _tiny_program(kind)
+    model.zero_grad(set_to_none=True)
+    return model, cap, program
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_program(kind):
     from sppo_fx.capture import capture
     from sppo_fx.models import build
     from sppo_fx.passes import transform
