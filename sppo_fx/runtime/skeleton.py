@@ -94,8 +94,3 @@ class KVSkeleton:
                 self.store.release(e)
         for key in [k for k in self.grads if k[1] == chunk]:
             del self.grads[key]
-
-    def close(self) -> None:
-        """Drop everything (the store's copies too)."""
-        for chunk in sorted({k[1] for k in self.blocks} | {k[1] for k in self.grads}):
-            self.release(chunk)
