@@ -8,10 +8,11 @@ k, v [b, h_kv, c, d]; query row i sees keys 0..p+i (lower-right aligned, as
 * on a GPU it runs the Triton chunk-attention kernel on the concatenated K/V, as an opaque
   op (`ops.chunk_attention.chunk_attention_opaque`: Inductor calls it like SDPA) with
   SDPA's output layout;
-* on CPU it runs ATen's CPU flash-attention kernels with a c x (p + c) mask inside an
-  autograd.Function that saves only its inputs (the prefix is a view of the runtime's K/V
-  buffer), not the concatenation, so saved memory stays linear in the sequence length;
-  the concatenation is rebuilt transiently in backward.
+* on CPU it runs ATen's CPU flash-attention kernels twice, over the prefix (every query
+  sees all of it: no mask) and over the chunk's own causal square, merged by log-sum-exp
+  (`ops.chunk_attention.cpu_flash_forward`), inside an autograd.Function that saves its
+  inputs (the prefix is a view of the runtime's K/V buffer): no concatenation, no mask,
+  no K/V heads repeated for grouped-query attention.
 
 Never a T x T mask.
 """
@@ -28,44 +29,30 @@ def _triton_ready() -> bool:
     return HAS_TRITON
 
 
-def _expand(t, groups):
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _mask(c, n, dtype, device):
-    if n == c:
-        return True, None  # no prefix: the plain causal mask
-    visible = torch.ones(c, n, dtype=torch.bool, device=device).tril(n - c)
-    return False, torch.zeros(c, n, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+def _cpu_parts(k_prefix, k, v_prefix, v):
+    # the prefix, seen whole by every query, then the chunk's own causal square
+    return ([(k_prefix, v_prefix, False)] if k_prefix.shape[-2] else []) + [(k, v, True)]
 
 
 class _PrefixAttentionCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_prefix, k, v_prefix, v, scale):
-        groups = q.shape[1] // k.shape[1]
-        k_all, v_all = torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2)
-        is_causal, mask = _mask(q.shape[-2], k_all.shape[-2], q.dtype, q.device)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _expand(k_all, groups), _expand(v_all, groups), 0.0, is_causal, attn_mask=mask, scale=scale)
+        from sppo_fx.ops.chunk_attention import cpu_flash_forward
+        out, lse = cpu_flash_forward(q, _cpu_parts(k_prefix, k, v_prefix, v), scale)
         ctx.save_for_backward(q, k_prefix, k, v_prefix, v, out, lse)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        from sppo_fx.ops.chunk_attention import cpu_flash_backward
         q, k_prefix, k, v_prefix, v, out, lse = ctx.saved_tensors
-        groups = q.shape[1] // k.shape[1]
-        k_all, v_all = torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2)
-        is_causal, mask = _mask(q.shape[-2], k_all.shape[-2], q.dtype, q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.contiguous(), q, _expand(k_all, groups), _expand(v_all, groups), out, lse, 0.0, is_causal,
-            attn_mask=mask, scale=ctx.scale)
-        if groups > 1:
-            b, h_kv, n, d = k_all.shape
-            dk = dk.reshape(b, h_kv, groups, n, d).sum(2)
-            dv = dv.reshape(b, h_kv, groups, n, d).sum(2)
-        p = k_prefix.shape[-2]
-        return dq, dk[..., :p, :], dk[..., p:, :], dv[..., :p, :], dv[..., p:, :], None
+        dq, dkv = cpu_flash_backward(grad, q, _cpu_parts(k_prefix, k, v_prefix, v), out, lse, ctx.scale)
+        (dk, dv), = dkv[-1:]
+        if len(dkv) == 1:  # no prefix: its gradients are empty
+            return dq, torch.zeros_like(k_prefix), dk, torch.zeros_like(v_prefix), dv, None
+        (dk_prefix, dv_prefix), _ = dkv
+        return dq, dk_prefix, dk, dv_prefix, dv, None
 
 
 def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=False):

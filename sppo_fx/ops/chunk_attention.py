@@ -39,8 +39,9 @@ results by log-sum-exp and still back-propagate through the kernels.
 
 Execution: on CUDA (or any non-CPU device Triton supports) with fp16/bf16/fp32 inputs the
 Triton kernels run.  On CPU with fp32/bf16/fp16 the op calls ATen's CPU flash-attention
-kernels (`_scaled_dot_product_flash_attention_for_cpu` and its backward, with the
-lower-right mask; K/V heads repeated for grouped-query attention); a backward that also
+kernels (`_scaled_dot_product_flash_attention_for_cpu` and its backward) on two key
+ranges, the prefix (no mask) and the causal square, merged by log-sum-exp (no mask is
+built, no masked tile computed; grouped-query K/V go in unexpanded); a backward that also
 receives an lse gradient, float64 inputs, and the tests' reference use a plain-PyTorch
 path (matmul + mask + softmax) that materializes the ``[b, h, c, p + c]`` scores.  The
 device check is a Python branch inside the op body, which is what keeps
@@ -243,39 +244,68 @@ def _cpu_flash_ok(q: Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES
 
 
-def _expand_kv(t: Tensor, groups: int) -> Tensor:
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+def cpu_flash_parts(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> List[Tuple[Tensor, Tensor, bool]]:
+    """The key ranges one lower-right causal chunk attention splits into for ATen's CPU
+    flash kernels: [(k_part, v_part, is_causal)], views of k and v (no copies).
 
-
-def _cpu_flash_args(q: Tensor, k: Tensor, causal: bool):
+    With a prefix (n > c keys for c queries) the prefix is seen whole by every query and
+    the last c keys form a plain causal square, so neither part needs a mask (a masked
+    call computes every tile and builds a c x n mask; the split does neither)."""
     c, n = q.shape[2], k.shape[2]
-    if not causal:
-        return False, None
-    if n == c:
-        return True, None  # no prefix: upper-left and lower-right alignment coincide
-    visible = _visible_mask(c, n, True, q.device)  # the kernel takes an additive mask of q's dtype
-    return False, torch.zeros(c, n, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+    if not causal or n == c:
+        return [(k, v, causal)]
+    p = n - c
+    return [(k[:, :, :p], v[:, :, :p], False), (k[:, :, p:], v[:, :, p:], True)]
+
+
+def cpu_flash_forward(q: Tensor, parts, scale: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """Attention of q over the key parts (`cpu_flash_parts`), merged by log-sum-exp.
+
+    Returns (out in the kernel's layout and q's dtype, lse [b, h, c] float32). Grouped-query
+    K/V (h_kv < h) go to the kernel as they are: it maps query heads to K/V heads itself."""
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out = acc = lse = None
+    for k, v, causal in parts:
+        o, l = fwd(q, k, v, 0.0, causal, scale=scale)
+        if out is None:
+            out, lse = o, l
+            continue
+        new = torch.logaddexp(lse, l)
+        if acc is None:  # merge in float32 (the kernel's own accumulation type)
+            acc = out.float() if out.dtype != torch.float32 else out
+        acc = acc.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o.float() * torch.exp(l - new).unsqueeze(-1))
+        lse = new
+    if acc is not None and acc is not out:
+        out = out.copy_(acc)
+    return out, lse
+
+
+def cpu_flash_backward(dout: Tensor, q: Tensor, parts, out: Tensor, lse: Tensor,
+                       scale: Optional[float]) -> Tuple[Tensor, List[Tuple[Tensor, Tensor]]]:
+    """Gradients of `cpu_flash_forward`: (dq, [(dk_part, dv_part)] per part).
+
+    Given the merged out and lse, each part's flash backward is exact on its own
+    (P = exp(s - lse), delta = rowsum(dout * out)); dq is the sum over parts."""
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    dout = dout.contiguous()
+    dq, dkv = None, []
+    for k, v, causal in parts:
+        dq_j, dk, dv = bwd(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        dq = dq_j if dq is None else dq.add_(dq_j)
+        dkv.append((dk.to(k.dtype), dv.to(v.dtype)))
+    return dq, dkv
 
 
 def _cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
-    g = q.shape[1] // k.shape[1]
-    is_causal, mask = _cpu_flash_args(q, k, causal)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, _expand_kv(k, g), _expand_kv(v, g), 0.0, is_causal, attn_mask=mask, scale=scale)
+    out, lse = cpu_flash_forward(q, cpu_flash_parts(q, k, v, causal), scale)
     return out.contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous()
 
 
 def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal) -> Tuple[Tensor, Tensor, Tensor]:
-    b, h_kv, n, d = k.shape
-    g = q.shape[1] // h_kv
-    is_causal, mask = _cpu_flash_args(q, k, causal)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, _expand_kv(k, g), _expand_kv(v, g), out, lse, 0.0, is_causal,
-        attn_mask=mask, scale=scale)
-    if g > 1:
-        dk = dk.reshape(b, h_kv, g, n, d).sum(2)
-        dv = dv.reshape(b, h_kv, g, n, d).sum(2)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    dq, dkv = cpu_flash_backward(dout, q, cpu_flash_parts(q, k, v, causal), out, lse, scale)
+    if len(dkv) == 1:
+        return dq, dkv[0][0], dkv[0][1]
+    return dq, torch.cat([dk for dk, _ in dkv], 2), torch.cat([dv for _, dv in dkv], 2)
 
 
 def reference_chunk_attention(
