@@ -29,6 +29,9 @@ class Plan:
             None: not chosen by the solver.
         skeleton: where the K/V skeleton lives ("keep": device, "offload": the tier,
             streamed back per prefix chunk); None: not chosen by the solver.
+        copy_window_bytes: offload copies allowed in flight, each way (writes not yet
+            done, reads not yet consumed; `runtime.memory.CopyWindow`); None: unbounded
+            (every read of a chunk starts when its backward is about to run).
     """
 
     seq_len: int
@@ -40,6 +43,7 @@ class Plan:
     step_seconds: float | None = None
     recompute: str | None = None
     skeleton: str | None = None
+    copy_window_bytes: int | None = None
 
     def __post_init__(self):
         self.chunk_lengths = [int(c) for c in self.chunk_lengths]
@@ -86,6 +90,8 @@ class Plan:
             extra.append(f"predicted step {self.step_seconds:.3g} s")
         if self.recompute is not None:
             extra.append(f"recompute {self.recompute}")
+        if self.copy_window_bytes is not None:
+            extra.append(f"copy window {self.copy_window_bytes / 2**20:.1f} MiB")
         if self.skeleton is not None:
             extra.append(f"K/V skeleton {'kept on the device' if self.skeleton == 'keep' else 'offloaded, streamed'}")
         return text + ("\n" + ", ".join(extra) if extra else "")

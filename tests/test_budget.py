@@ -15,7 +15,7 @@ from sppo_fx.models import build
 from sppo_fx.passes import transform
 from sppo_fx.runtime.local import chunked_loss
 from sppo_fx.runtime.store import ActivationStore
-from sppo_fx.solver.budget import MemoryModel, parse_budget, predict_peak, solve
+from sppo_fx.solver.budget import MemoryModel, copy_window, parse_budget, predict_peak, solve
 from sppo_fx.solver.partition import ChunkCostModel
 
 COST = ChunkCostModel(per_token=1e7, per_pair=1e3)
@@ -49,7 +49,31 @@ def test_solver_fits_the_budget_and_offloads_earliest_chunks_first():
     assert chosen.ratios[-1] == 0.0
     full = [a == 1.0 for a in chosen.ratios]
     assert any(full) and full == sorted(full, reverse=True)  # the earliest chunks leave the device first
-    assert predict_peak(MEM, chosen.lengths, chosen.ratios) == chosen.peak_bytes
+    assert predict_peak(MEM, chosen.lengths, chosen.ratios, window=chosen.copy_window_bytes) == chosen.peak_bytes
+    assert chosen.copy_window_bytes is not None
+    unbounded = solve(COST, MEM, 2048, keep_all // 3, rate=1e12, bandwidth=1e7, windowed=False)
+    assert unbounded.copy_window_bytes is None
+    assert predict_peak(MEM, unbounded.lengths, unbounded.ratios) == unbounded.peak_bytes
+
+
+def test_a_copy_window_keeps_offloaded_chunks_off_the_device():
+    # 16 layers: the window is two layers' worth, and a chunk read back is consumed layer by layer
+    mem = MemoryModel(level1=lambda c, p: 1024 * c, level2=lambda c, p: 16384 * c, fixed_bytes=0, sites=16)
+    lengths, ratios = [512] * 4, [1.0] * 3 + [0.0]
+    window = copy_window(mem, lengths)
+    l2, l1_all = 16384 * 512, 1024 * 2048
+    assert window == 2 * l2 // 16
+    unbounded = predict_peak(mem, lengths, ratios)
+    bounded = predict_peak(mem, lengths, ratios, window=window)
+    # the peak is the last chunk's backward: skeleton, own K/V copies, dK/dV of the earlier
+    # chunks, its whole L2 (kept), the window; without one, the previous chunk's L2 is on
+    # its way back too
+    dkv = 1024 * 1536
+    assert bounded == 2 * l1_all + dkv + l2 + window
+    assert unbounded == 2 * l1_all + dkv + 2 * l2
+    # an offloaded chunk holds one layer's worth back plus the window, not its whole L2
+    first = predict_peak(mem, lengths, [1.0] * 4, window=window)
+    assert first < bounded
 
 
 def test_copies_that_hide_behind_compute_are_offloaded_even_without_memory_pressure():
@@ -78,10 +102,12 @@ def test_plan_with_offload_round_trips_and_prints():
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["gpt", "llama"]), cuts=st.sets(st.integers(1, 63), min_size=1, max_size=5),
-       quotas=st.lists(st.sampled_from([0, 1, 2**14, 2**18, None]), min_size=6, max_size=6), seed=st.integers(0, 99))
-def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, quotas, seed):
-    """Any plan (random chunking, random byte quotas per chunk, None = every saved tensor)
-    gives bitwise the same loss and gradients as the same chunking without offload."""
+       quotas=st.lists(st.sampled_from([0, 1, 2**14, 2**18, None]), min_size=6, max_size=6), seed=st.integers(0, 99),
+       window=st.sampled_from([None, 0, 2**12, 2**16]))
+def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, quotas, seed, window):
+    """Any plan (random chunking, random byte quotas per chunk, None = every saved tensor,
+    any copy window, 0 = one copy at a time) gives bitwise the same loss and gradients as
+    the same chunking without offload."""
     model, cap, program = tiny_program(kind)
     torch.manual_seed(seed)
     x, y = torch.randint(0, 97, (2, 64)), torch.randint(0, 97, (2, 64))
@@ -99,7 +125,8 @@ def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, 
     ref = grads_of(ref_loss)
     offload = {(0, i): (float("inf") if q is None else q) for i, q in enumerate(quotas[:plan.num_chunks])}
     with ActivationStore("disk", dir=str(tmp_path_factory.mktemp("store"))) as store:
-        loss = chunked_loss(program, params, [x, y], plan, store=store, offload=offload, min_offload_bytes=0)
+        loss = chunked_loss(program, params, [x, y], plan, store=store, offload=offload, min_offload_bytes=0,
+                            copy_window_bytes=window)
         got = grads_of(loss)
         assert store.bytes_offloaded == 0
     assert torch.equal(loss, ref_loss)

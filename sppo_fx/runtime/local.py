@@ -29,7 +29,7 @@ from sppo_fx.errors import SppoError
 from sppo_fx.ops.offload import active_memory
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
-from sppo_fx.runtime.memory import ChunkMemory
+from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
 import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 
 
@@ -104,13 +104,17 @@ class StageRunner:
             program as its prefix inputs) or "offload" (the store's tier, streamed into the
             attention one prefix chunk at a time; needs `store` and a chunk program from
             `passes.skeleton.stream_kv_skeleton`, or chunk_fn=None to build one).
+        copy_window_bytes: bound on offload copies in flight (`runtime.memory.CopyWindow`);
+            default: the plan's `copy_window_bytes` (None there: unbounded).
     """
 
     def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], plan: Plan, chunk_fn=None,
                  needs_grad: bool = True, store=None, offload=None, min_offload_bytes: int = 1 << 16,
-                 skeleton: str = "keep"):
+                 skeleton: str = "keep", copy_window_bytes: int | None = None):
         self.program, self.plan = program, plan
         self.store, self.min_offload_bytes = store, min_offload_bytes
+        window = copy_window_bytes if copy_window_bytes is not None else plan.copy_window_bytes
+        self.window = CopyWindow(store, window) if store is not None and window is not None else None
         self.offload = offload
         if skeleton not in SKELETON_MODES:
             raise SppoError(f"skeleton={skeleton!r}: choose one of {SKELETON_MODES}")
@@ -206,7 +210,7 @@ class StageRunner:
         if self.memory_graphs:
             quota = self.offload.get((mb, i), 0) if isinstance(self.offload, dict) else float("inf")
             memory = ChunkMemory(self.store if self.offloads(mb, i) else None, quota, self.min_offload_bytes,
-                                 self._accumulate_grad, m.skeleton, i)
+                                 self._accumulate_grad, m.skeleton, i, self.window)
         with torch.set_grad_enabled(self.needs_grad), active_memory(memory):
             outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
         outs = list(outs)
@@ -359,7 +363,7 @@ class _ChunkedLoss(torch.autograd.Function):
 
 def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: list[torch.Tensor],
                  plan: Plan, chunk_fn=None, store=None, offload=None, min_offload_bytes: int = 1 << 16,
-                 skeleton: str = "keep") -> torch.Tensor:
+                 skeleton: str = "keep", copy_window_bytes: int | None = None) -> torch.Tensor:
     """Run the chunk programs over `plan`; the result backpropagates into `params`.
 
     Args:
@@ -373,13 +377,15 @@ def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: li
             offloaded (see StageRunner); offloading changes where tensors live, never the
             arithmetic.
         skeleton: "keep" or "offload": where the K/V skeleton lives (see StageRunner).
+        copy_window_bytes: bound on offload copies in flight (default: the plan's).
 
     Returns:
         The scalar loss (equal to the eager model's on the full sequence).
     """
     grad_params = [p for p in params if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and bool(grad_params)
-    runner = StageRunner(program, params, plan, chunk_fn, needs_grad, store, offload, min_offload_bytes, skeleton)
+    runner = StageRunner(program, params, plan, chunk_fn, needs_grad, store, offload, min_offload_bytes, skeleton,
+                         copy_window_bytes)
     runner.start(0, inputs)
     if not needs_grad:
         for i in range(plan.num_chunks):

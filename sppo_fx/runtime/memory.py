@@ -11,10 +11,80 @@ slot, in the order the forward produces them:
              once the copy completes) while the chunk's byte quota lasts
 
 so one compiled graph serves every chunk, each with its own plan.
+
+Copies in flight are bounded by a `CopyWindow` (the plan's `copy_window_bytes`), so that
+what offloading holds on the device does not grow with the chunk:
+
+    forward   offload(x) hands x to the store's writer; while more than the window is
+              waiting to be written, the compute thread waits for the oldest write
+    backward  prefetch requests queue up (the executor's, for a whole chunk, come in
+              reverse production order: the last layer's tensors are needed first; the
+              graph's, for one slot); reads start while the bytes read but not yet
+              consumed by a wait fit the window; a wait on a slot not started yet starts
+              it at once
+
+Without a window every prefetch starts its read at once and writes are not throttled.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
+
+
+class CopyWindow:
+    """Bytes of offload copies allowed in flight, shared by the chunks of one executor.
+
+    Args:
+        store: the ActivationStore the chunks offload to.
+        window_bytes: writes pending plus reads started but not yet waited for, each at
+            most this many bytes (a single larger tensor is still let through alone).
+    """
+
+    def __init__(self, store, window_bytes: int):
+        self.store, self.window_bytes = store, int(window_bytes)
+        self.queue: collections.OrderedDict = collections.OrderedDict()  # handle -> bytes, requested
+        self.reading: dict = {}  # handle -> bytes, read started and not waited for
+        self.reading_bytes = 0
+
+    def after_offload(self) -> None:
+        """Back-pressure on the producer: wait while too many bytes are not written yet."""
+        self.store.wait_writes(self.window_bytes)
+
+    def request(self, handle, nbytes: int) -> None:
+        """Queue a read (no-op if queued, started or already back)."""
+        if handle not in self.queue and handle not in self.reading:
+            self.queue[handle] = nbytes
+            self._pump()
+
+    def take(self, handle, nbytes: int) -> None:
+        """A wait needs `handle` now: start its read if it has not started."""
+        if handle not in self.reading:
+            self.queue.pop(handle, None)
+            self._start(handle, nbytes)
+
+    def consumed(self, handle) -> None:
+        """The handle's data was waited for: it no longer counts against the window."""
+        self.reading_bytes -= self.reading.pop(handle, 0)
+        self._pump()
+
+    def forget(self, handle) -> None:
+        """The handle is released without a wait."""
+        self.queue.pop(handle, None)
+        self.consumed(handle)
+
+    def _start(self, handle, nbytes: int) -> None:
+        self.reading[handle] = nbytes
+        self.reading_bytes += nbytes
+        self.store.prefetch(handle)
+
+    def _pump(self) -> None:
+        while self.queue:
+            handle, nbytes = next(iter(self.queue.items()))
+            if self.reading and self.reading_bytes + nbytes > self.window_bytes:
+                return
+            del self.queue[handle]
+            self._start(handle, nbytes)
 
 
 class ChunkMemory:
@@ -29,11 +99,14 @@ class ChunkMemory:
         skeleton: the micro-batch's `runtime.skeleton.KVSkeleton`, for chunk programs whose
             K/V prefix is streamed (`sppo_fx.ops.skeleton`); None otherwise.
         chunk: this chunk's index in its micro-batch (with `skeleton`).
+        window: the executor's `CopyWindow` (None: reads start when requested, writes
+            are not throttled).
     """
 
     def __init__(self, store=None, quota: float = float("inf"), min_bytes: int = 1 << 16, grad_sink=None,
-                 skeleton=None, chunk: int = 0):
+                 skeleton=None, chunk: int = 0, window: CopyWindow | None = None):
         self.store, self.left, self.min_bytes = store, quota, min_bytes
+        self.window = window
         self.grad_sink = grad_sink
         self.skeleton, self.chunk = skeleton, chunk
         self.entries: dict[int, object] = {}  # slot -> kept tensor | store Handle
@@ -46,16 +119,22 @@ class ChunkMemory:
             self.left -= n
             self.offloaded_bytes += n
             self.entries[slot] = self.store.offload(x)
+            if self.window is not None:
+                self.window.after_offload()
         else:
             self.kept_bytes += n
             self.entries[slot] = x
 
     def prefetch(self, slot: int | None = None) -> None:
-        """Start reading back one slot (or every offloaded slot)."""
-        for s in ([slot] if slot is not None else list(self.entries)):
+        """Start reading back one slot, or every offloaded slot (last produced first: a
+        backward needs the last layer's tensors first); with a window, queue the reads."""
+        for s in ([slot] if slot is not None else list(reversed(self.entries))):
             e = self.entries.get(s)
             if e is not None and not isinstance(e, torch.Tensor):
-                self.store.prefetch(e)
+                if self.window is None:
+                    self.store.prefetch(e)
+                else:
+                    self.window.request(e, e.nbytes)
 
     def wait(self, slot: int | None = None):
         """The slot's tensor (blocking until it is back); with no slot, wait for all."""
@@ -72,7 +151,11 @@ class ChunkMemory:
         e = self.entries.pop(slot)
         if isinstance(e, torch.Tensor):
             return e
+        if self.window is not None:
+            self.window.take(e, e.nbytes)
         t = self.store.wait(e)
+        if self.window is not None:
+            self.window.consumed(e)
         self.store.release(e)
         return t
 
@@ -106,5 +189,7 @@ class ChunkMemory:
         """Drop whatever the backward did not consume (files are removed)."""
         for e in self.entries.values():
             if not isinstance(e, torch.Tensor):
+                if self.window is not None:
+                    self.window.forget(e)
                 self.store.release(e)
         self.entries.clear()

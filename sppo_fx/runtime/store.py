@@ -222,7 +222,8 @@ class _Core:
         self.writer = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="sppo-store-w")
         self.reader = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="sppo-store-r")
         self.streams = None  # (d2h stream, h2d stream) per CUDA device, created lazily
-        self.pending: set[Future] = set()  # write futures not finished yet
+        self.pending: dict[Future, int] = {}  # write futures not finished yet -> bytes, oldest first
+        self.pending_bytes = 0
 
     def submit(self, pool: ThreadPoolExecutor, fn, rec: _Record, *args) -> Future:
         """Run fn(rec, *args) on `pool`; afterwards drop rec's data if it was released meanwhile."""
@@ -416,7 +417,7 @@ class _Core:
 
 def _discard(core: _Core, fut: Future):
     with core.lock:
-        core.pending.discard(fut)
+        core.pending_bytes -= core.pending.pop(fut, 0)
 
 
 def _remove(path: str):
@@ -575,7 +576,9 @@ class ActivationStore:
                 ready.record(torch.cuda.current_stream(t.device))
             fut = core.submit(core.writer, core.write_task, rec, ready)
             with core.lock:
-                core.pending.add(fut)
+                if not fut.done():
+                    core.pending[fut] = rec.nbytes
+                    core.pending_bytes += rec.nbytes
             fut.add_done_callback(lambda f, core=core: _discard(core, f))
             rec.write_future = fut
         else:
@@ -629,6 +632,28 @@ class ActivationStore:
     def release(self, handle: Handle) -> None:
         """Forget the handle's data (file, host buffer, read-back tensor)."""
         _Core.release_record(self._core, handle._rec)
+
+    @property
+    def pending_write_bytes(self) -> int:
+        """Bytes offloaded whose write has not completed (still held where they came from)."""
+        return self._core.pending_bytes
+
+    def wait_writes(self, max_pending_bytes: int) -> None:
+        """Block until at most `max_pending_bytes` of writes are pending (oldest first).
+
+        The back-pressure that bounds what offloading holds on the device when the tier is
+        slower than the compute producing tensors; a failed write is reported by the
+        handle's wait/prefetch (or `synchronize`), not here."""
+        while True:
+            with self._core.lock:
+                if self._core.pending_bytes <= max_pending_bytes or not self._core.pending:
+                    return
+                oldest = next(iter(self._core.pending))
+            try:
+                oldest.result()
+            except BaseException:  # noqa: BLE001 - surfaced by the handle
+                pass
+            _discard(self._core, oldest)  # its callback may not have run yet
 
     def synchronize(self) -> None:
         """Block until every write issued so far has completed (raises the first new error)."""

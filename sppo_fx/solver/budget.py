@@ -13,6 +13,16 @@ Memory model of one sequence on one device (bytes; chunk i has c_i tokens at sta
                               + L2_j + R_j + a_{j-1} L2_{j-1} (prefetched) + parameter gradients
     peak = the largest of these, plus `fixed_bytes` (what the model allocates regardless)
 
+With a copy window W (`Plan.copy_window_bytes`, `runtime.memory.CopyWindow`) the copies
+in flight are bounded, so a chunk's offloaded part is never on the device all at once:
+
+    forward, after chunk j:   ... + (1 - a_j) L2_j + min(a_j L2_j, W)          (writes pending)
+    backward, at chunk j:     ... + (1 - a_j) L2_j + min(a_j L2_j, L2_j / S)   (read back, in use)
+                              + W (reads in flight, chunk j's or chunk j-1's) + R_j + ...
+
+where S is the number of attention sites (layers): a tensor read back is consumed by its
+layer's backward. The solver sets W to two layers' worth of the largest chunk's L2.
+
 Recompute policies (`passes.offload.tag_recompute`) trade saved bytes for compute: each
 has its own model, where L2 is what that policy's graphs save and R_j what chunk j's
 backward rebuilds (the "none" policy's L2 minus this one's), at the price of
@@ -131,9 +141,20 @@ class MemoryModel:
                    recomputed=rebuilt, recompute=recompute, recompute_fraction=recompute_fraction)
 
 
-def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skeleton: str = "keep") -> int:
+def copy_window(mem: MemoryModel, lengths: list[int], skeleton: str = "keep") -> int:
+    """The copy window the solver plans with: two layers' worth of the largest chunk's
+    chunk-private saved bytes (a read of the next layer's tensors overlaps this layer's
+    backward), at most one chunk's, at least 1 MiB."""
+    level2 = mem.streamed_level2 if skeleton == "offload" else mem.level2
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    largest = max(level2(c, t) for c, t in zip(lengths, starts))
+    return max(min(largest, 2 * largest // max(1, mem.sites)), 1 << 20)
+
+
+def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skeleton: str = "keep",
+                 window: int | None = None) -> int:
     """Peak device bytes of one step (see the module docstring); `skeleton` is "keep" or
-    "offload"."""
+    "offload"; `window` the copy window in bytes (None: unbounded copies)."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     l1 = [mem.level1(c, t) for c, t in zip(lengths, starts)]
     level2 = mem.streamed_level2 if skeleton == "offload" else mem.level2
@@ -150,14 +171,19 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
     # offloaded: two blocks of one site streaming in (own K/V are in L2)
     stream = [2 * max(l1[:j], default=0) // max(1, mem.sites) for j in range(n)]
     kept = skeleton != "offload"
+    sites = max(1, mem.sites)
     peak = 0
     for j in range(n):  # forward
         held = 2 * l1_before[j + 1] if kept else stream[j]
-        peak = max(peak, held + resident_before[j] + l2[j] + work[j])
+        mine = l2[j] if window is None else (1 - ratios[j]) * l2[j] + min(ratios[j] * l2[j], window)
+        peak = max(peak, held + resident_before[j] + mine + work[j])
     for j in range(n - 1, -1, -1):  # backward: skeleton (+ own K/V of chunks <= j) or a stream buffer,
         held = l1_before[n] + l1_before[j + 1] if kept else stream[n - 1]  # and dK/dV of chunks < j
-        prefetched = ratios[j - 1] * l2[j - 1] if j > 0 else 0
-        peak = max(peak, held + l1_before[j] + resident_before[j] + l2[j] + rebuilt[j] + prefetched + work[j]
+        if window is None:  # the whole chunk is back, and the previous one is on its way
+            mine = l2[j] + (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
+        else:
+            mine = (1 - ratios[j]) * l2[j] + min(ratios[j] * l2[j], l2[j] / sites) + window
+        peak = max(peak, held + l1_before[j] + resident_before[j] + mine + rebuilt[j] + work[j]
                    + mem.fixed_bytes)
     return int(peak)
 
@@ -172,6 +198,7 @@ class BudgetPlan:
     step_seconds: float
     recompute: str = "none"
     skeleton: str = "keep"
+    copy_window_bytes: int | None = None
 
 
 def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
@@ -194,7 +221,8 @@ def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, r
 
 
 def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, bandwidth: float,
-          c_half: float = 64.0, chunk_counts=None, lengths_for=None, skeletons=("keep",)) -> BudgetPlan:
+          c_half: float = 64.0, chunk_counts=None, lengths_for=None, skeletons=("keep",),
+          windowed: bool = True) -> BudgetPlan:
     """Choose chunks, offload ratios and a recompute policy that fit `budget` with the
     least predicted time.
 
@@ -209,6 +237,8 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
         lengths_for: N -> lengths (default FLOPs-balanced).
         skeletons: K/V skeleton placements to consider, "keep" and/or "offload"; "offload"
             is tried only when no plan with the skeleton kept fits.
+        windowed: plan with a copy window (`copy_window`; the executor bounds copies in
+            flight to it); False: every read of a chunk starts before its backward.
 
     Returns:
         The BudgetPlan. Raises InfeasibleBudget (with the minimum) when nothing fits.
@@ -228,7 +258,8 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
             for n in chunk_counts:
                 if n > seq_len:
                     break
-                plan, floor = _plan_for(cost, model, lengths_for(n), budget, rate, bandwidth, c_half, skeleton)
+                plan, floor = _plan_for(cost, model, lengths_for(n), budget, rate, bandwidth, c_half, skeleton,
+                                        windowed)
                 minimum = floor if minimum is None else min(minimum, floor)
                 if plan is not None and (best is None or plan.step_seconds < best.step_seconds):
                     best = plan
@@ -242,21 +273,22 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
     return best
 
 
-def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half, skeleton):
+def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half, skeleton, windowed=True):
     """(the fitting plan for these chunk lengths or None, the least peak any ratios give)."""
     n = len(lengths)
+    window = copy_window(model, lengths, skeleton) if windowed else None
     starts = [sum(lengths[:i]) for i in range(n)]
     level2 = model.streamed_level2 if skeleton == "offload" else model.level2
     l2 = [level2(c, t) for c, t in zip(lengths, starts)]
     fwd_s = [cost.forward_flops(c, t) / (rate * c / (c + c_half)) for c, t in zip(lengths, starts)]
     # sequence-aware: hide each chunk's offload behind the next chunk's forward
     ratios = [min(1.0, bandwidth * fwd_s[i + 1] / l2[i]) if l2[i] > 0 else 0.0 for i in range(n - 1)] + [0.0]
-    floor = predict_peak(model, lengths, [1.0] * (n - 1) + [0.0], skeleton)
+    floor = predict_peak(model, lengths, [1.0] * (n - 1) + [0.0], skeleton, window)
     for i in range(n):  # earliest chunks leave the device first until the plan fits
-        if predict_peak(model, lengths, ratios, skeleton) <= budget or i == n - 1:
+        if predict_peak(model, lengths, ratios, skeleton, window) <= budget or i == n - 1:
             break
         ratios[i] = 1.0
-    peak = predict_peak(model, lengths, ratios, skeleton)
+    peak = predict_peak(model, lengths, ratios, skeleton, window)
     if peak > budget:
         return None, floor
     reads = None
@@ -264,13 +296,14 @@ def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half
         l1 = [model.level1(c, t) for c, t in zip(lengths, starts)]
         reads = [sum(l1[:i]) for i in range(n)]
     seconds = _step_seconds(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction, reads)
-    return BudgetPlan(lengths, ratios, peak, seconds, model.recompute, skeleton), floor
+    return BudgetPlan(lengths, ratios, peak, seconds, model.recompute, skeleton, window), floor
 
 
 def budget_plan(seq_len: int, chosen: BudgetPlan, budget: int, tier: str) -> Plan:
     """The Plan carrying the solver's choice."""
     return Plan(seq_len, chosen.lengths, offload_ratios=chosen.ratios, tier=tier, budget_bytes=budget,
                 peak_bytes=chosen.peak_bytes, step_seconds=chosen.step_seconds, recompute=chosen.recompute,
+                copy_window_bytes=chosen.copy_window_bytes,
                 skeleton=chosen.skeleton)
 
 

@@ -1,0 +1,76 @@
+"""`runtime.memory.CopyWindow`: offload copies in flight stay within the plan's window."""
+import time
+
+import torch
+
+from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
+from sppo_fx.runtime.store import ActivationStore
+
+KIB = 1024
+
+
+def _tensors(n, nbytes=4 * KIB):
+    return [torch.full((nbytes // 4,), float(i)) for i in range(n)]
+
+
+def test_writes_pending_never_exceed_the_window(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        store.delay_hook = lambda what: time.sleep(0.02) if what == "write" else None
+        window = CopyWindow(store, 8 * KIB)
+        memory = ChunkMemory(store, min_bytes=0, window=window)
+        pending = []
+        for slot, t in enumerate(_tensors(8)):
+            memory.offload(t, slot)
+            pending.append(store.pending_write_bytes)
+        assert max(pending) <= 8 * KIB
+        assert max(pending) > 0  # the slowed writes did lag: the bound did the work
+        memory.release()
+
+
+def test_reads_start_last_produced_first_and_stay_within_the_window(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        window = CopyWindow(store, 8 * KIB)
+        memory = ChunkMemory(store, min_bytes=0, window=window)
+        data = _tensors(6)
+        for slot, t in enumerate(data):
+            memory.offload(t, slot)
+        store.synchronize()
+        started = []
+        real_prefetch = store.prefetch
+        store.prefetch = lambda h: (started.append(h), real_prefetch(h))[1]
+        memory.prefetch()  # the whole chunk, as the executor asks before its backward
+        assert [memory.entries[s] for s in (5, 4)] == started  # two 4 KiB reads fit 8 KiB
+        assert window.reading_bytes <= 8 * KIB
+        for slot in (5, 4, 3, 2, 1, 0):  # backward consumes them in that order
+            assert torch.equal(memory.wait(slot), data[slot])
+            assert window.reading_bytes <= 8 * KIB
+        # (store.wait calls prefetch again, a no-op for a started read)
+        assert len({id(h) for h in started}) == 6 and not window.queue and window.reading_bytes == 0
+
+
+def test_a_wait_on_a_slot_not_started_starts_it(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        window = CopyWindow(store, 0)  # one read at a time
+        memory = ChunkMemory(store, min_bytes=0, window=window)
+        data = _tensors(4)
+        for slot, t in enumerate(data):
+            memory.offload(t, slot)
+        memory.prefetch()
+        assert len(window.reading) == 1 and len(window.queue) == 3
+        assert torch.equal(memory.wait(0), data[0])  # last in the queue: started on demand
+        assert torch.equal(memory.wait(3), data[3])
+        memory.release()  # slots 1 and 2 never waited for: forgotten, files removed
+        assert not window.queue and not window.reading
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_tensor_larger_than_the_window_still_goes_alone(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        window = CopyWindow(store, KIB)
+        memory = ChunkMemory(store, min_bytes=0, window=window)
+        data = _tensors(2, nbytes=16 * KIB)
+        for slot, t in enumerate(data):
+            memory.offload(t, slot)
+        memory.prefetch()
+        assert len(window.reading) == 1
+        assert torch.equal(memory.wait(1), data[1]) and torch.equal(memory.wait(0), data[0])
