@@ -222,7 +222,7 @@ class SppoCompiled:
             from sppo_fx.runtime.store import TIERS, ActivationStore
             if self.options.offload not in TIERS:
                 raise SppoError(f"offload={self.options.offload!r}: choose one of {TIERS}")
-            self._store = ActivationStore(self.options.offload, dir=self.options.offload_dir)
+            self._store = ActivationStore(self.options.offload, dir=self.options.offload_dir, reuse_files=True)
         return self._store
 
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:

@@ -319,3 +319,24 @@ def test_peak_rss_drops_with_disk_offload(tmp_path):
     # keep holds 8 x 64 MiB; offload holds at most ~1-2 tensors at a time (+ one read back)
     assert keep - offload > 256 * MiB, (keep / MiB, offload / MiB)
     assert os.listdir(tmp_path) == []
+
+
+def test_pooled_files_are_overwritten_and_removed_at_close(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path), reuse_files=True) as store:
+        d = store.dir
+        first = [torch.randn(1000) for _ in range(3)]
+        hs = [store.offload(t) for t in first]
+        store.synchronize()
+        assert len(os.listdir(d)) == 3
+        for h, t in zip(hs, first):
+            assert torch.equal(store.wait(h), t)
+            h.release()
+        assert len(os.listdir(d)) == 3  # read back: the files wait in the pool
+        # smaller tensors reuse them (a file of at most twice the bytes), larger ones do not
+        second = [torch.randn(900), torch.randn(600), torch.randn(5000)]
+        hs = [store.offload(t) for t in second]
+        store.synchronize()
+        assert len(os.listdir(d)) == 4
+        for h, t in zip(hs, second):
+            assert torch.equal(store.wait(h), t)  # a reused file is longer than what it holds now
+    assert not os.path.exists(d)
