@@ -165,7 +165,8 @@ def test_budget_api_plans_offload_and_stays_exact(tmp_path):
     plan = compiled.plan
     assert plan.peak_bytes <= budget and plan.offload_ratios[-1] == 0 and max(plan.offload_ratios) > 0
     assert plan.recompute == "none"
-    assert "offloaded (disk)" in str(plan)
+    assert "offloaded (disk)" in str(plan) and "copy window" in str(plan)
+    assert 0 < plan.copy_window_bytes < budget
     loss.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
     for p, g in zip(model.parameters(), ref_grads):
