@@ -36,7 +36,8 @@ def test_offload_is_bitwise_neutral(kind, tier, tmp_path):
     assert store.bytes_offloaded == 0 and store.bytes_on_device == 0
     if tier == "disk":
         assert store.peak_bytes_offloaded > 0
-        assert os.listdir(store.dir) == []  # every file was removed once read back
+        # every file was read back: none holds data (sppo_fx.compile's store pools them)
+        assert len(os.listdir(store.dir)) == store.pooled_files > 0
 
 
 def test_unknown_tier_is_refused():

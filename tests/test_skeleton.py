@@ -169,7 +169,8 @@ def test_offloaded_skeleton_matches_eager(kind, tmp_path):
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
     for name, g in _grads(model).items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
-    assert store.bytes_offloaded == 0 and os.listdir(store.dir) == []
+    # every file's data was released: the files left wait in the pool
+    assert store.bytes_offloaded == 0 and len(os.listdir(store.dir)) == store.pooled_files
     assert any(n.target is torch.ops.sppo.kv_out.default
                for n in compiled.graphs["chunk.forward.1"].graph.nodes if n.op == "call_function")
 

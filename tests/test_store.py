@@ -331,7 +331,7 @@ def test_pooled_files_are_overwritten_and_removed_at_close(tmp_path):
         for h, t in zip(hs, first):
             assert torch.equal(store.wait(h), t)
             h.release()
-        assert len(os.listdir(d)) == 3  # read back: the files wait in the pool
+        assert len(os.listdir(d)) == store.pooled_files == 3  # read back: the files wait in the pool
         # smaller tensors reuse them (a file of at most twice the bytes), larger ones do not
         second = [torch.randn(900), torch.randn(600), torch.randn(5000)]
         hs = [store.offload(t) for t in second]

@@ -542,6 +542,12 @@ class ActivationStore:
         return self._core.bytes_on_device
 
     @property
+    def pooled_files(self) -> int:
+        """Files in the pool (`reuse_files`): they hold no live data and wait to be overwritten."""
+        with self._core.lock:
+            return len(self._core.free_files)
+
+    @property
     def bytes_offloaded(self) -> int:
         """Bytes held in the tier now (files, pinned host buffers)."""
         return self._core.bytes_offloaded

@@ -21,7 +21,8 @@ in flight are bounded, so a chunk's offloaded part is never on the device all at
                               + W (reads in flight, chunk j's or chunk j-1's) + R_j + ...
 
 where S is the number of attention sites (layers): a tensor read back is consumed by its
-layer's backward. The solver sets W to two layers' worth of the largest chunk's L2.
+layer's backward. The solver sets W to two layers' worth of the largest chunk's L2, then
+widens it by half the room the plan leaves under the budget (at most one chunk's L2).
 
 Recompute policies (`passes.offload.tag_recompute`) trade saved bytes for compute: each
 has its own model, where L2 is what that policy's graphs save and R_j what chunk j's
@@ -291,6 +292,11 @@ def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half
     peak = predict_peak(model, lengths, ratios, skeleton, window)
     if peak > budget:
         return None, floor
+    if window is not None and peak < budget:
+        # half the room left widens the window (more writes absorbed before the compute
+        # waits, reads further ahead); the peak grows by at most that much
+        window = min(window + (budget - peak) // 2, max(max(l2), window))
+        peak = predict_peak(model, lengths, ratios, skeleton, window)
     reads = None
     if skeleton == "offload":
         l1 = [model.level1(c, t) for c, t in zip(lengths, starts)]
