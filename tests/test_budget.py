@@ -71,9 +71,17 @@ def test_a_copy_window_keeps_offloaded_chunks_off_the_device():
     dkv = 1024 * 1536
     assert bounded == 2 * l1_all + dkv + l2 + window
     assert unbounded == 2 * l1_all + dkv + 2 * l2
-    # an offloaded chunk holds one layer's worth back plus the window, not its whole L2
-    first = predict_peak(mem, lengths, [1.0] * 4, window=window)
-    assert first < bounded
+    # where the peak is an offloaded chunk's backward (a short last chunk), that chunk
+    # holds one layer's worth read back plus the window, not its whole L2 and its
+    # predecessor's on the way
+    lengths = [1024, 1024, 1024, 64]
+    big = 16384 * 1024
+    window = copy_window(mem, lengths)
+    bounded = predict_peak(mem, lengths, ratios, window=window)
+    unbounded = predict_peak(mem, lengths, ratios)
+    assert bounded < unbounded - big  # at least a whole chunk of activations less
+    # nothing offloaded: the window changes nothing
+    assert predict_peak(mem, lengths, [0.0] * 4, window=window) == predict_peak(mem, lengths, [0.0] * 4)
 
 
 def test_copies_that_hide_behind_compute_are_offloaded_even_without_memory_pressure():
@@ -103,11 +111,11 @@ def test_plan_with_offload_round_trips_and_prints():
                                                                 HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["gpt", "llama"]), cuts=st.sets(st.integers(1, 63), min_size=1, max_size=5),
        quotas=st.lists(st.sampled_from([0, 1, 2**14, 2**18, None]), min_size=6, max_size=6), seed=st.integers(0, 99),
-       window=st.sampled_from([None, 0, 2**12, 2**16]))
-def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, quotas, seed, window):
+       window=st.sampled_from([None, 0, 2**12, 2**16]), reuse=st.booleans())
+def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, quotas, seed, window, reuse):
     """Any plan (random chunking, random byte quotas per chunk, None = every saved tensor,
-    any copy window, 0 = one copy at a time) gives bitwise the same loss and gradients as
-    the same chunking without offload."""
+    any copy window, 0 = one copy at a time; new or pooled files) gives bitwise the same
+    loss and gradients as the same chunking without offload."""
     model, cap, program = tiny_program(kind)
     torch.manual_seed(seed)
     x, y = torch.randint(0, 97, (2, 64)), torch.randint(0, 97, (2, 64))
@@ -124,7 +132,7 @@ def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, 
     ref_loss = chunked_loss(program, params, [x, y], plan)
     ref = grads_of(ref_loss)
     offload = {(0, i): (float("inf") if q is None else q) for i, q in enumerate(quotas[:plan.num_chunks])}
-    with ActivationStore("disk", dir=str(tmp_path_factory.mktemp("store"))) as store:
+    with ActivationStore("disk", dir=str(tmp_path_factory.mktemp("store")), reuse_files=reuse) as store:
         loss = chunked_loss(program, params, [x, y], plan, store=store, offload=offload, min_offload_bytes=0,
                             copy_window_bytes=window)
         got = grads_of(loss)

@@ -1,4 +1,5 @@
 """`runtime.memory.CopyWindow`: offload copies in flight stay within the plan's window."""
+import os
 import time
 
 import torch
@@ -61,7 +62,7 @@ def test_a_wait_on_a_slot_not_started_starts_it(tmp_path):
         assert torch.equal(memory.wait(3), data[3])
         memory.release()  # slots 1 and 2 never waited for: forgotten, files removed
         assert not window.queue and not window.reading
-    assert not list(tmp_path.iterdir())
+        assert os.listdir(store.dir) == []
 
 
 def test_a_tensor_larger_than_the_window_still_goes_alone(tmp_path):
@@ -74,3 +75,43 @@ def test_a_tensor_larger_than_the_window_still_goes_alone(tmp_path):
         memory.prefetch()
         assert len(window.reading) == 1
         assert torch.equal(memory.wait(1), data[1]) and torch.equal(memory.wait(0), data[0])
+
+
+def test_a_failed_read_leaves_the_window_clean(tmp_path, monkeypatch):
+    import sppo_fx.runtime.store as store_mod
+    from sppo_fx.runtime.store import StoreReadError
+
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        window = CopyWindow(store, 0)
+        memory = ChunkMemory(store, min_bytes=0, window=window)
+        data = _tensors(2)
+        for slot, t in enumerate(data):
+            memory.offload(t, slot)
+        store.synchronize()
+
+        def broken(path, view, exact=True):
+            raise OSError(5, "Input/output error")
+        monkeypatch.setattr(store_mod, "_read_bytes", broken)
+        memory.prefetch()
+        try:
+            memory.wait(1)
+        except StoreReadError:
+            pass
+        else:
+            raise AssertionError("the failed read did not raise")
+        assert window.reading_bytes == 0 or window.started(memory.entries[0])
+        memory.release()
+        assert not window.queue and not window.reading and window.reading_bytes == 0
+
+
+def test_wait_for_the_whole_chunk_waits_only_for_started_reads(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        window = CopyWindow(store, 0)
+        memory = ChunkMemory(store, min_bytes=0, window=window)
+        data = _tensors(3)
+        for slot, t in enumerate(data):
+            memory.offload(t, slot)
+        memory.prefetch()
+        memory.wait()  # a pipeline's WAIT action: the started read only
+        assert len(window.reading) == 1 and len(window.queue) == 2
+        assert [torch.equal(memory.wait(s), data[s]) for s in (2, 1, 0)] == [True] * 3

@@ -261,6 +261,10 @@ def cpu_flash_parts(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> List[Tuple
 def cpu_flash_forward(q: Tensor, parts, scale: Optional[float]) -> Tuple[Tensor, Tensor]:
     """Attention of q over the key parts (`cpu_flash_parts`), merged by log-sum-exp.
 
+    Every query row must see at least one key of every part (true of the parts
+    `cpu_flash_parts` makes: a whole prefix, a causal square); a row with none would get
+    lse = -inf and NaN weights.
+
     Returns (out in the kernel's layout and q's dtype, lse [b, h, c] float32). Grouped-query
     K/V (h_kv < h) go to the kernel as they are: it maps query heads to K/V heads itself."""
     fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -291,9 +295,12 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, parts, out: Tensor, lse: Tensor,
     dq, dkv = None, []
     for k, v, causal in parts:
         dq_j, dk, dv = bwd(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-        dq = dq_j if dq is None else dq.add_(dq_j)
+        if dq is None:
+            dq = dq_j
+        else:  # summed in float32, rounded once
+            dq = (dq if dq.dtype == torch.float32 else dq.float()).add_(dq_j)
         dkv.append((dk.to(k.dtype), dv.to(v.dtype)))
-    return dq, dkv
+    return dq.to(q.dtype), dkv
 
 
 def _cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
@@ -303,9 +310,9 @@ def _cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) 
 
 def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal) -> Tuple[Tensor, Tensor, Tensor]:
     dq, dkv = cpu_flash_backward(dout, q, cpu_flash_parts(q, k, v, causal), out, lse, scale)
-    if len(dkv) == 1:
-        return dq, dkv[0][0], dkv[0][1]
-    return dq, torch.cat([dk for dk, _ in dkv], 2), torch.cat([dv for _, dv in dkv], 2)
+    if len(dkv) == 1:  # contiguous, as the fake implementation promises
+        return dq.contiguous(), dkv[0][0].contiguous(), dkv[0][1].contiguous()
+    return dq.contiguous(), torch.cat([dk for dk, _ in dkv], 2), torch.cat([dv for _, dv in dkv], 2)
 
 
 def reference_chunk_attention(

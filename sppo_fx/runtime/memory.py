@@ -38,7 +38,11 @@ class CopyWindow:
     Args:
         store: the ActivationStore the chunks offload to.
         window_bytes: writes pending plus reads started but not yet waited for, each at
-            most this many bytes (a single larger tensor is still let through alone).
+            most this many bytes (a read larger than the window still starts when no other
+            read is in flight; a write larger than it is waited for before the producer
+            goes on).
+
+    Used from the executor's thread only (the store's background threads never touch it).
     """
 
     def __init__(self, store, window_bytes: int):
@@ -52,7 +56,8 @@ class CopyWindow:
         self.store.wait_writes(self.window_bytes)
 
     def request(self, handle, nbytes: int) -> None:
-        """Queue a read (no-op if queued, started or already back)."""
+        """Queue a read (no-op if queued or started; `ChunkMemory` requests a handle only
+        before its wait)."""
         if handle not in self.queue and handle not in self.reading:
             self.queue[handle] = nbytes
             self._pump()
@@ -63,20 +68,21 @@ class CopyWindow:
             self.queue.pop(handle, None)
             self._start(handle, nbytes)
 
-    def consumed(self, handle) -> None:
-        """The handle's data was waited for: it no longer counts against the window."""
-        self.reading_bytes -= self.reading.pop(handle, 0)
+    def forget(self, handles) -> None:
+        """The handles are released without a wait (or their wait failed): drop them all,
+        then start what fits."""
+        for handle in handles:
+            self.queue.pop(handle, None)
+            self.reading_bytes -= self.reading.pop(handle, 0)
         self._pump()
 
-    def forget(self, handle) -> None:
-        """The handle is released without a wait."""
-        self.queue.pop(handle, None)
-        self.consumed(handle)
+    def started(self, handle) -> bool:
+        return handle in self.reading
 
     def _start(self, handle, nbytes: int) -> None:
+        self.store.prefetch(handle)  # raises before any bookkeeping if the store has failed
         self.reading[handle] = nbytes
         self.reading_bytes += nbytes
-        self.store.prefetch(handle)
 
     def _pump(self) -> None:
         while self.queue:
@@ -137,11 +143,13 @@ class ChunkMemory:
                     self.window.request(e, e.nbytes)
 
     def wait(self, slot: int | None = None):
-        """The slot's tensor (blocking until it is back); with no slot, wait for all."""
+        """The slot's tensor (blocking until it is back); with no slot, wait for all reads
+        (with a window: for the reads it has started; the others start at their slot's wait,
+        so that the chunk never comes back all at once)."""
         if slot is None:
             for s in list(self.entries):
                 e = self.entries[s]
-                if not isinstance(e, torch.Tensor):
+                if not isinstance(e, torch.Tensor) and (self.window is None or self.window.started(e)):
                     self.store.wait(e)
             return None
         if slot not in self.entries:
@@ -151,12 +159,14 @@ class ChunkMemory:
         e = self.entries.pop(slot)
         if isinstance(e, torch.Tensor):
             return e
-        if self.window is not None:
-            self.window.take(e, e.nbytes)
-        t = self.store.wait(e)
-        if self.window is not None:
-            self.window.consumed(e)
-        self.store.release(e)
+        try:
+            if self.window is not None:
+                self.window.take(e, e.nbytes)
+            t = self.store.wait(e)
+        finally:
+            if self.window is not None:
+                self.window.forget([e])  # consumed (or failed): no longer in flight
+            self.store.release(e)
         return t
 
     def accumulate_grad(self, grad: torch.Tensor, index: int) -> None:
@@ -187,9 +197,9 @@ class ChunkMemory:
 
     def release(self) -> None:
         """Drop whatever the backward did not consume (files are removed)."""
-        for e in self.entries.values():
-            if not isinstance(e, torch.Tensor):
-                if self.window is not None:
-                    self.window.forget(e)
-                self.store.release(e)
+        handles = [e for e in self.entries.values() if not isinstance(e, torch.Tensor)]
         self.entries.clear()
+        if self.window is not None:
+            self.window.forget(handles)  # all of them first: no read starts for a handle released next
+        for e in handles:
+            self.store.release(e)

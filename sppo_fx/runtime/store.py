@@ -230,6 +230,7 @@ class _Core:
         self.tier = tier
         self.reuse_files = reuse_files
         self.free_files: list[tuple[int, str]] = []  # (size, path) of pooled files holding no data
+        self.pool_bytes = 0
         self.lock = threading.RLock()
         self.bytes_on_device = 0
         self.bytes_offloaded = 0
@@ -417,25 +418,36 @@ class _Core:
                 rec.state = "released"
             self._account(rec, on_device=0 if rec.src is None else rec.on_device, offloaded=0)
         if path:
-            self._free_file(path, rec.capacity)
+            self._free_file(path, rec.capacity, reusable=rec.state != "failed")
 
     # -- the file pool (reuse_files)
     def _take_file(self, rec: _Record) -> tuple[str, int]:
         """(path, size) of a pooled file that fits rec (smallest first, at most 2x its
-        bytes), or (a new path, 0)."""
+        bytes), or (a new path, 0). On a miss the oldest pooled file is removed: the new
+        file takes its place, so sizes that no longer occur do not pile up."""
+        stale = None
         with self.lock:
             fits = [(size, path) for size, path in self.free_files if rec.nbytes <= size <= 2 * rec.nbytes]
             if fits:
                 best = min(fits)
                 self.free_files.remove(best)
+                self.pool_bytes -= best[0]
                 return best[1], best[0]
+            if self.free_files:
+                stale = self.free_files.pop(0)
+                self.pool_bytes -= stale[0]
+        if stale is not None:
+            _remove(stale[1])
         return os.path.join(self.tmpdir, f"t{rec.id}.bin"), 0
 
-    def _free_file(self, path: str, size: int) -> None:
-        """A file whose data is no longer needed: into the pool, or removed."""
+    def _free_file(self, path: str, size: int, reusable: bool = True) -> None:
+        """A file whose data is no longer needed: into the pool (while the pool stays within
+        the most bytes the tier ever held at once), or removed."""
         with self.lock:
-            if self.reuse_files and not self.closed:
+            if (reusable and self.reuse_files and not self.closed
+                    and self.pool_bytes + size <= self.peak_bytes_offloaded):
                 self.free_files.append((size, path))
+                self.pool_bytes += size
                 return
         _remove(path)
 
@@ -494,8 +506,10 @@ class ActivationStore:
         reuse_files: disk tier: keep the files of released data in a pool and overwrite
             them (a file of 1-2x the tensor's bytes) instead of creating new ones. A new
             file gets fresh page-cache pages from the kernel; an overwritten one reuses
-            its pages (measured here: 1.8 vs 4.4 GB/s for 1.2 MB writes). The pool holds
-            at most as many files as were in use at once; `close()` removes them all.
+            its pages (measured here: 1.8 vs 4.4 GB/s for 1.2 MB writes). The pool's
+            files total at most the most bytes the tier held at once
+            (`peak_bytes_offloaded`); a write that fits no pooled file removes the oldest
+            one; a file whose write or read failed is removed; `close()` removes them all.
 
     Attributes:
         tier: the tier.
@@ -546,6 +560,11 @@ class ActivationStore:
         """Files in the pool (`reuse_files`): they hold no live data and wait to be overwritten."""
         with self._core.lock:
             return len(self._core.free_files)
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Total size of the pooled files."""
+        return self._core.pool_bytes
 
     @property
     def bytes_offloaded(self) -> int:

@@ -16,9 +16,12 @@ Memory model of one sequence on one device (bytes; chunk i has c_i tokens at sta
 With a copy window W (`Plan.copy_window_bytes`, `runtime.memory.CopyWindow`) the copies
 in flight are bounded, so a chunk's offloaded part is never on the device all at once:
 
-    forward, after chunk j:   ... + (1 - a_j) L2_j + min(a_j L2_j, W)          (writes pending)
+    forward, after chunk j:   ... + (1 - a_j) L2_j + min(a_{j-1} L2_{j-1} + a_j L2_j, W)
+                                                                  (writes pending, this chunk's
+                                                                   or the previous one's)
     backward, at chunk j:     ... + (1 - a_j) L2_j + min(a_j L2_j, L2_j / S)   (read back, in use)
-                              + W (reads in flight, chunk j's or chunk j-1's) + R_j + ...
+                              + min(a_j L2_j + a_{j-1} L2_{j-1}, W)   (reads in flight, chunk
+                                                                  j's or chunk j-1's) + R_j + ...
 
 where S is the number of attention sites (layers): a tensor read back is consumed by its
 layer's backward. The solver sets W to two layers' worth of the largest chunk's L2, then
@@ -145,7 +148,7 @@ class MemoryModel:
 def copy_window(mem: MemoryModel, lengths: list[int], skeleton: str = "keep") -> int:
     """The copy window the solver plans with: two layers' worth of the largest chunk's
     chunk-private saved bytes (a read of the next layer's tensors overlaps this layer's
-    backward), at most one chunk's, at least 1 MiB."""
+    backward), capped at one chunk's, and at least 1 MiB (which wins over the cap)."""
     level2 = mem.streamed_level2 if skeleton == "offload" else mem.level2
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     largest = max(level2(c, t) for c, t in zip(lengths, starts))
@@ -176,14 +179,16 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
     peak = 0
     for j in range(n):  # forward
         held = 2 * l1_before[j + 1] if kept else stream[j]
-        mine = l2[j] if window is None else (1 - ratios[j]) * l2[j] + min(ratios[j] * l2[j], window)
+        offloaded = ratios[j] * l2[j] + (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
+        mine = l2[j] if window is None else (1 - ratios[j]) * l2[j] + min(offloaded, window)
         peak = max(peak, held + resident_before[j] + mine + work[j])
     for j in range(n - 1, -1, -1):  # backward: skeleton (+ own K/V of chunks <= j) or a stream buffer,
         held = l1_before[n] + l1_before[j + 1] if kept else stream[n - 1]  # and dK/dV of chunks < j
         if window is None:  # the whole chunk is back, and the previous one is on its way
             mine = l2[j] + (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
         else:
-            mine = (1 - ratios[j]) * l2[j] + min(ratios[j] * l2[j], l2[j] / sites) + window
+            offloaded = ratios[j] * l2[j] + (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
+            mine = (1 - ratios[j]) * l2[j] + min(ratios[j] * l2[j], l2[j] / sites) + min(offloaded, window)
         peak = max(peak, held + l1_before[j] + resident_before[j] + mine + rebuilt[j] + work[j]
                    + mem.fixed_bytes)
     return int(peak)
@@ -292,6 +297,8 @@ def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half
     peak = predict_peak(model, lengths, ratios, skeleton, window)
     if peak > budget:
         return None, floor
+    if window is not None and not any(ratios):
+        window = None  # nothing leaves the device: no copies to bound
     if window is not None and peak < budget:
         # half the room left widens the window (more writes absorbed before the compute
         # waits, reads further ahead); the peak grows by at most that much
