@@ -210,7 +210,10 @@ class SppoCompiled:
         # the skeleton can only leave the device for a tier
         skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
         chosen = solve(entry.cost, [entry.memory[r] for r in policies], seq_len, o.budget,
-                       rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half, skeletons=skeletons)
+                       rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half, skeletons=skeletons,
+                       copies_share_compute=device == "cpu",
+                       cache=(profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes) if o.offload == "disk"
+                       else None)
         plan = budget_plan(seq_len, chosen, o.budget, o.offload)
         entry.budget_plans[seq_len] = plan
         return plan

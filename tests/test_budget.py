@@ -89,6 +89,16 @@ def test_copies_that_hide_behind_compute_are_offloaded_even_without_memory_press
     assert all(a == 1.0 for a in chosen.ratios[:-1]) or len(chosen.ratios) == 1
 
 
+def test_where_copies_share_the_compute_cores_only_memory_pressure_offloads():
+    roomy = solve(COST, MEM, 2048, 10**12, rate=1e9, bandwidth=1e12, copies_share_compute=True)
+    assert not any(roomy.ratios)  # nothing hides on a CPU: no offload without need
+    keep_all = predict_peak(MEM, [2048], [0.0])
+    hidden = solve(COST, MEM, 2048, keep_all // 3, rate=1e12, bandwidth=1e7)
+    charged = solve(COST, MEM, 2048, keep_all // 3, rate=1e12, bandwidth=1e7, copies_share_compute=True)
+    assert charged.peak_bytes <= keep_all // 3 and any(charged.ratios)
+    assert charged.step_seconds > hidden.step_seconds  # every copied byte is charged
+
+
 def test_infeasible_budget_names_the_minimum():
     with pytest.raises(InfeasibleBudget) as err:
         solve(COST, MEM, 2048, 1000, rate=1e12, bandwidth=1e9)

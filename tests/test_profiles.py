@@ -70,6 +70,8 @@ def test_calibrate_cpu(tmp_path):
     assert pr.flops_per_s > 1e8                       # anything that runs a matmul at all
     assert pr.d2h_bytes_per_s == pr.h2d_bytes_per_s > 1e7
     assert pr.disk_write_bytes_per_s > 1e6 and pr.disk_read_bytes_per_s > 1e6
+    assert pr.disk_cached_write_bytes_per_s > 1e6 and pr.disk_cache_bytes >= 0
+    assert "disk write, cached" in pr.table()
     assert pr.memory_bytes > 256 << 20
     assert pr.n_half >= 0
     assert os.listdir(tmp_path) == []                  # the temp file is gone

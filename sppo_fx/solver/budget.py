@@ -42,7 +42,12 @@ compute where the bandwidth allows. The solver offloads the skeleton only when n
 with it kept fits.
 
 Sequence-aware offload: chunk i's offload is sized to hide behind chunk i+1's forward at
-the tier's write bandwidth, a_i = min(1, bw · t_fwd(i+1) / L2_i). When the peak still
+the tier's write bandwidth, a_i = min(1, bw · t_fwd(i+1) / L2_i). On a CPU-only machine
+the copies run on the cores the compute uses, so the time model charges every copied byte
+(`copies_share_compute`) instead of hiding it — at the page cache's rate up to the bytes
+the OS caches before writing back, at the disk's beyond — and offloads only what memory
+requires.
+When the peak still
 exceeds the budget, the earliest chunks (which wait longest for their backward) go to
 a_i = 1 first; then more chunks are tried. Offload beyond what hides costs
 (bytes − hidden) / bw of stall. The solver returns the feasible plan with the least
@@ -207,11 +212,25 @@ class BudgetPlan:
     copy_window_bytes: int | None = None
 
 
+def _shared_copy_seconds(nbytes: float, bw: float, cache) -> float:
+    """Seconds of processor time one pass over `nbytes` of copies takes where copies share
+    the compute's cores: what the OS page cache absorbs at its rate, the rest at the
+    disk's. `cache` is (cached bytes/s, cache bytes) or None."""
+    if not cache or not cache[0]:
+        return nbytes / bw
+    cached = min(nbytes, cache[1]) if cache[1] else nbytes
+    return cached / cache[0] + (nbytes - cached) / bw
+
+
 def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
-                  skeleton_reads=None) -> float:
+                  skeleton_reads=None, copies_share_compute: bool = False, cache=None) -> float:
     fwd = [cost.forward_flops(c, t) / (rate * c / (c + c_half))
            for c, t in zip(lengths, [sum(lengths[:i]) for i in range(len(lengths))])]
     total = sum(f * (1 + cost.backward_factor + recompute_fraction) for f in fwd)
+    if copies_share_compute:  # a CPU: every copy runs on the cores the compute uses
+        written = sum(a * x for a, x in zip(ratios, l2))
+        read = written + 2 * sum(skeleton_reads or ())  # a streamed prefix is read in fwd and bwd
+        return total + _shared_copy_seconds(written, bw, cache) + _shared_copy_seconds(read, bw, cache)
     stall = 0.0
     for i, a in enumerate(ratios):
         if a <= 0:
@@ -228,7 +247,7 @@ def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, r
 
 def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, bandwidth: float,
           c_half: float = 64.0, chunk_counts=None, lengths_for=None, skeletons=("keep",),
-          windowed: bool = True) -> BudgetPlan:
+          windowed: bool = True, copies_share_compute: bool = False, cache=None) -> BudgetPlan:
     """Choose chunks, offload ratios and a recompute policy that fit `budget` with the
     least predicted time.
 
@@ -245,6 +264,13 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
             is tried only when no plan with the skeleton kept fits.
         windowed: plan with a copy window (`copy_window`; the executor bounds copies in
             flight to it); False: every read of a chunk starts before its backward.
+        copies_share_compute: the offload copies run on the processors the compute runs on
+            (a CPU-only machine: the disk tier's threads take cycles from the compute), so
+            they add to the step time instead of hiding behind the next chunk's compute.
+        cache: with `copies_share_compute`, (bytes/s, bytes) of the OS page cache in front
+            of the disk tier (`DeviceProfile.disk_cached_write_bytes_per_s`,
+            `disk_cache_bytes`): the bytes a step offloads up to that size cost the cached
+            rate, the rest `bandwidth`.
 
     Returns:
         The BudgetPlan. Raises InfeasibleBudget (with the minimum) when nothing fits.
@@ -265,7 +291,7 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
                 if n > seq_len:
                     break
                 plan, floor = _plan_for(cost, model, lengths_for(n), budget, rate, bandwidth, c_half, skeleton,
-                                        windowed)
+                                        windowed, copies_share_compute, cache)
                 minimum = floor if minimum is None else min(minimum, floor)
                 if plan is not None and (best is None or plan.step_seconds < best.step_seconds):
                     best = plan
@@ -279,7 +305,8 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
     return best
 
 
-def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half, skeleton, windowed=True):
+def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half, skeleton, windowed=True,
+              copies_share_compute=False, cache=None):
     """(the fitting plan for these chunk lengths or None, the least peak any ratios give)."""
     n = len(lengths)
     window = copy_window(model, lengths, skeleton) if windowed else None
@@ -287,8 +314,10 @@ def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half
     level2 = model.streamed_level2 if skeleton == "offload" else model.level2
     l2 = [level2(c, t) for c, t in zip(lengths, starts)]
     fwd_s = [cost.forward_flops(c, t) / (rate * c / (c + c_half)) for c, t in zip(lengths, starts)]
-    # sequence-aware: hide each chunk's offload behind the next chunk's forward
-    ratios = [min(1.0, bandwidth * fwd_s[i + 1] / l2[i]) if l2[i] > 0 else 0.0 for i in range(n - 1)] + [0.0]
+    # sequence-aware: hide each chunk's offload behind the next chunk's forward (where
+    # copies share the compute's cores nothing hides: offload only what memory needs)
+    ratios = [0.0 if copies_share_compute else min(1.0, bandwidth * fwd_s[i + 1] / l2[i]) if l2[i] > 0 else 0.0
+              for i in range(n - 1)] + [0.0]
     floor = predict_peak(model, lengths, [1.0] * (n - 1) + [0.0], skeleton, window)
     for i in range(n):  # earliest chunks leave the device first until the plan fits
         if predict_peak(model, lengths, ratios, skeleton, window) <= budget or i == n - 1:
@@ -308,7 +337,8 @@ def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half
     if skeleton == "offload":
         l1 = [model.level1(c, t) for c, t in zip(lengths, starts)]
         reads = [sum(l1[:i]) for i in range(n)]
-    seconds = _step_seconds(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction, reads)
+    seconds = _step_seconds(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction, reads,
+                            copies_share_compute, cache)
     return BudgetPlan(lengths, ratios, peak, seconds, model.recompute, skeleton, window), floor
 
 
