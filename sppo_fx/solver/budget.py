@@ -11,7 +11,10 @@ Memory model of one sequence on one device (bytes; chunk i has c_i tokens at sta
     forward, after chunk j:   2 sum_{i<=j} L1_i + sum_{i<j} (1 - a_i) L2_i + L2_j
     backward, at chunk j:     sum_i L1_i + sum_{i<=j} L1_i + dK/dV (sum_{i<j} L1_i) + sum_{i<j} (1 - a_i) L2_i
                               + L2_j + R_j + a_{j-1} L2_{j-1} (prefetched) + parameter gradients
-    peak = the largest of these, plus `fixed_bytes` (what the model allocates regardless)
+    peak = the largest of these, plus `fixed_bytes` (what the model allocates regardless:
+           parameter gradients, which the first backward -- chunk N-1's -- creates layer by
+           layer while it frees that chunk's saved activations, so there the larger of the
+           two counts, not their sum)
 
 With a copy window W (`Plan.copy_window_bytes`, `runtime.memory.CopyWindow`) the copies
 in flight are bounded, so a chunk's offloaded part is never on the device all at once:
@@ -190,12 +193,18 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
     for j in range(n - 1, -1, -1):  # backward: skeleton (+ own K/V of chunks <= j) or a stream buffer,
         held = l1_before[n] + l1_before[j + 1] if kept else stream[n - 1]  # and dK/dV of chunks < j
         if window is None:  # the whole chunk is back, and the previous one is on its way
-            mine = l2[j] + (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
+            mine, coming = l2[j], (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
         else:
             offloaded = ratios[j] * l2[j] + (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
-            mine = (1 - ratios[j]) * l2[j] + min(ratios[j] * l2[j], l2[j] / sites) + min(offloaded, window)
-        peak = max(peak, held + l1_before[j] + resident_before[j] + mine + rebuilt[j] + work[j]
-                   + mem.fixed_bytes)
+            mine = (1 - ratios[j]) * l2[j] + min(ratios[j] * l2[j], l2[j] / sites)
+            coming = min(offloaded, window)
+        if j == n - 1:
+            # the first backward: parameter gradients appear layer by layer as the layers'
+            # saved activations are freed, so the two trade places rather than add up
+            own = max(mine + rebuilt[j], mem.fixed_bytes)
+        else:
+            own = mine + rebuilt[j] + mem.fixed_bytes
+        peak = max(peak, held + l1_before[j] + resident_before[j] + own + coming + work[j])
     return int(peak)
 
 
