@@ -89,6 +89,18 @@ def test_copies_that_hide_behind_compute_are_offloaded_even_without_memory_press
     assert all(a == 1.0 for a in chosen.ratios[:-1]) or len(chosen.ratios) == 1
 
 
+@pytest.mark.parametrize("grads", [1 << 20, 64 << 20])
+def test_the_first_backward_trades_activations_for_parameter_gradients(grads):
+    # one chunk: its backward frees saved activations layer by layer while the parameter
+    # gradients appear, so the larger of the two counts, not their sum
+    mem = MemoryModel(level1=lambda c, p: 1024 * c, level2=lambda c, p: 16384 * c, fixed_bytes=grads, sites=4)
+    l1, l2 = 1024 * 2048, 16384 * 2048
+    assert predict_peak(mem, [2048], [0.0]) == 2 * l1 + max(l2, grads)
+    # later chunks run backward with every gradient already there
+    two = predict_peak(mem, [1024, 1024], [0.0, 0.0])
+    assert two >= 2 * l1 + l2 // 2 + l1 // 2 + grads
+
+
 def test_where_copies_share_the_compute_cores_only_memory_pressure_offloads():
     roomy = solve(COST, MEM, 2048, 10**12, rate=1e9, bandwidth=1e12, copies_share_compute=True)
     assert not any(roomy.ratios)  # nothing hides on a CPU: no offload without need
