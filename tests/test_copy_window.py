@@ -14,6 +14,16 @@ def _tensors(n, nbytes=4 * KIB):
     return [torch.full((nbytes // 4,), float(i)) for i in range(n)]
 
 
+def _offloaded(store, window_bytes, n, nbytes=4 * KIB):
+    """(window, a ChunkMemory using it, the n tensors it offloaded into slots 0..n-1)."""
+    window = CopyWindow(store, window_bytes)
+    memory = ChunkMemory(store, min_bytes=0, window=window)
+    data = _tensors(n, nbytes)
+    for slot, t in enumerate(data):
+        memory.offload(t, slot)
+    return window, memory, data
+
+
 def test_writes_pending_never_exceed_the_window(tmp_path):
     with ActivationStore("disk", dir=str(tmp_path)) as store:
         store.delay_hook = lambda what: time.sleep(0.02) if what == "write" else None
@@ -30,11 +40,7 @@ def test_writes_pending_never_exceed_the_window(tmp_path):
 
 def test_reads_start_last_produced_first_and_stay_within_the_window(tmp_path):
     with ActivationStore("disk", dir=str(tmp_path)) as store:
-        window = CopyWindow(store, 8 * KIB)
-        memory = ChunkMemory(store, min_bytes=0, window=window)
-        data = _tensors(6)
-        for slot, t in enumerate(data):
-            memory.offload(t, slot)
+        window, memory, data = _offloaded(store, 8 * KIB, 6)
         store.synchronize()
         started = []
         real_prefetch = store.prefetch
@@ -51,11 +57,7 @@ def test_reads_start_last_produced_first_and_stay_within_the_window(tmp_path):
 
 def test_a_wait_on_a_slot_not_started_starts_it(tmp_path):
     with ActivationStore("disk", dir=str(tmp_path)) as store:
-        window = CopyWindow(store, 0)  # one read at a time
-        memory = ChunkMemory(store, min_bytes=0, window=window)
-        data = _tensors(4)
-        for slot, t in enumerate(data):
-            memory.offload(t, slot)
+        window, memory, data = _offloaded(store, 0, 4)  # one read at a time
         memory.prefetch()
         assert len(window.reading) == 1 and len(window.queue) == 3
         assert torch.equal(memory.wait(0), data[0])  # last in the queue: started on demand
@@ -70,11 +72,7 @@ def test_a_wait_on_a_slot_not_started_starts_it(tmp_path):
 
 def test_a_tensor_larger_than_the_window_still_goes_alone(tmp_path):
     with ActivationStore("disk", dir=str(tmp_path)) as store:
-        window = CopyWindow(store, KIB)
-        memory = ChunkMemory(store, min_bytes=0, window=window)
-        data = _tensors(2, nbytes=16 * KIB)
-        for slot, t in enumerate(data):
-            memory.offload(t, slot)
+        window, memory, data = _offloaded(store, KIB, 2, nbytes=16 * KIB)
         memory.prefetch()
         assert len(window.reading) == 1
         assert torch.equal(memory.wait(1), data[1]) and torch.equal(memory.wait(0), data[0])
@@ -85,11 +83,7 @@ def test_a_failed_read_leaves_the_window_clean(tmp_path, monkeypatch):
     from sppo_fx.runtime.store import StoreReadError
 
     with ActivationStore("disk", dir=str(tmp_path)) as store:
-        window = CopyWindow(store, 0)
-        memory = ChunkMemory(store, min_bytes=0, window=window)
-        data = _tensors(2)
-        for slot, t in enumerate(data):
-            memory.offload(t, slot)
+        window, memory, data = _offloaded(store, 0, 2)
         store.synchronize()
 
         def broken(path, view, exact=True):
@@ -109,11 +103,7 @@ def test_a_failed_read_leaves_the_window_clean(tmp_path, monkeypatch):
 
 def test_wait_for_the_whole_chunk_waits_only_for_started_reads(tmp_path):
     with ActivationStore("disk", dir=str(tmp_path)) as store:
-        window = CopyWindow(store, 0)
-        memory = ChunkMemory(store, min_bytes=0, window=window)
-        data = _tensors(3)
-        for slot, t in enumerate(data):
-            memory.offload(t, slot)
+        window, memory, data = _offloaded(store, 0, 3)
         memory.prefetch()
         memory.wait()  # a pipeline's WAIT action: the started read only
         assert len(window.reading) == 1 and len(window.queue) == 2
