@@ -21,6 +21,10 @@ activation x (slot k):
       ...                                       ...
       return (*outs, ..., h, ...)               x  = sppo.wait(h1, k, order)  # before x's first user
 
+The prefetch nodes are requests: with a copy window (`Plan.copy_window_bytes`) the chunk's
+`ChunkMemory` queues them and starts each read when what is in flight fits the window, so
+the tensors come back layer by layer during the backward, not all at its start.
+
 Offloadable: produced by this chunk (not a parameter, input or K/V prefix, nor a view of
 one), not a forward output or a view of one (the chunk's K/V lives on anyway), the only
 saved value on its storage, and dense (so it comes back with the same layout). At run
