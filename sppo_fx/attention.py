@@ -48,10 +48,9 @@ class _PrefixAttentionCPU(torch.autograd.Function):
         from sppo_fx.ops.chunk_attention import cpu_flash_backward
         q, k_prefix, k, v_prefix, v, out, lse = ctx.saved_tensors
         dq, dkv = cpu_flash_backward(grad, q, _cpu_parts(k_prefix, k, v_prefix, v), out, lse, ctx.scale)
-        (dk, dv), = dkv[-1:]
-        if len(dkv) == 1:  # no prefix: its gradients are empty
-            return dq, torch.zeros_like(k_prefix), dk, torch.zeros_like(v_prefix), dv, None
-        (dk_prefix, dv_prefix), _ = dkv
+        dk, dv = dkv[-1]
+        # no prefix part: the (empty) prefix's gradients are empty
+        dk_prefix, dv_prefix = dkv[0] if len(dkv) == 2 else (torch.zeros_like(k_prefix), torch.zeros_like(v_prefix))
         return dq, dk_prefix, dk, dv_prefix, dv, None
 
 

@@ -2,6 +2,7 @@
 import os
 import time
 
+import pytest
 import torch
 
 from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
@@ -90,12 +91,8 @@ def test_a_failed_read_leaves_the_window_clean(tmp_path, monkeypatch):
             raise OSError(5, "Input/output error")
         monkeypatch.setattr(store_mod, "_read_bytes", broken)
         memory.prefetch()
-        try:
+        with pytest.raises(StoreReadError):
             memory.wait(1)
-        except StoreReadError:
-            pass
-        else:
-            raise AssertionError("the failed read did not raise")
         assert window.reading_bytes == 0 or window.started(memory.entries[0])
         memory.release()
         assert not window.queue and not window.reading and window.reading_bytes == 0

@@ -142,7 +142,7 @@ def test_stress_many_concurrent_handles_with_slow_copies(tmp_path):
 
 
 def test_failing_write_raises_clear_error(tmp_path, monkeypatch):
-    def broken(path, view):
+    def broken(path, view, overwrite=False):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(store_mod, "_write_bytes", broken)
@@ -174,7 +174,7 @@ def test_failing_read_raises_clear_error(tmp_path, monkeypatch):
         with pytest.raises(StoreReadError, match="ended after 10 of 400 bytes"):
             store.wait(h)
 
-        def broken(path, view):
+        def broken(path, view, exact=True):
             raise OSError(5, "Input/output error")
 
         monkeypatch.setattr(store_mod, "_read_bytes", broken)

@@ -47,7 +47,7 @@ class CopyWindow:
 
     def __init__(self, store, window_bytes: int):
         self.store, self.window_bytes = store, int(window_bytes)
-        self.queue: collections.OrderedDict = collections.OrderedDict()  # handle -> bytes, requested
+        self.queue: collections.OrderedDict = collections.OrderedDict()  # handles requested, in order
         self.reading: dict = {}  # handle -> bytes, read started and not waited for
         self.reading_bytes = 0
 
@@ -55,18 +55,18 @@ class CopyWindow:
         """Back-pressure on the producer: wait while too many bytes are not written yet."""
         self.store.wait_writes(self.window_bytes)
 
-    def request(self, handle, nbytes: int) -> None:
+    def request(self, handle) -> None:
         """Queue a read (no-op if queued or started; `ChunkMemory` requests a handle only
         before its wait)."""
         if handle not in self.queue and handle not in self.reading:
-            self.queue[handle] = nbytes
+            self.queue[handle] = None
             self._pump()
 
-    def take(self, handle, nbytes: int) -> None:
+    def take(self, handle) -> None:
         """A wait needs `handle` now: start its read if it has not started."""
         if handle not in self.reading:
             self.queue.pop(handle, None)
-            self._start(handle, nbytes)
+            self._start(handle)
 
     def forget(self, handles) -> None:
         """The handles are released without a wait (or their wait failed): drop them all,
@@ -79,18 +79,18 @@ class CopyWindow:
     def started(self, handle) -> bool:
         return handle in self.reading
 
-    def _start(self, handle, nbytes: int) -> None:
+    def _start(self, handle) -> None:
         self.store.prefetch(handle)  # raises before any bookkeeping if the store has failed
-        self.reading[handle] = nbytes
-        self.reading_bytes += nbytes
+        self.reading[handle] = handle.nbytes
+        self.reading_bytes += handle.nbytes
 
     def _pump(self) -> None:
         while self.queue:
-            handle, nbytes = next(iter(self.queue.items()))
-            if self.reading and self.reading_bytes + nbytes > self.window_bytes:
+            handle = next(iter(self.queue))
+            if self.reading and self.reading_bytes + handle.nbytes > self.window_bytes:
                 return
             del self.queue[handle]
-            self._start(handle, nbytes)
+            self._start(handle)
 
 
 class ChunkMemory:
@@ -140,7 +140,7 @@ class ChunkMemory:
                 if self.window is None:
                     self.store.prefetch(e)
                 else:
-                    self.window.request(e, e.nbytes)
+                    self.window.request(e)
 
     def wait(self, slot: int | None = None):
         """The slot's tensor (blocking until it is back); with no slot, wait for all reads
@@ -161,7 +161,7 @@ class ChunkMemory:
             return e
         try:
             if self.window is not None:
-                self.window.take(e, e.nbytes)
+                self.window.take(e)
             t = self.store.wait(e)
         finally:
             if self.window is not None:

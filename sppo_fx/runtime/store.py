@@ -88,24 +88,11 @@ def _span(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _write_bytes(path: str, view: memoryview) -> None:
-    """Write `view` to a new file at `path` (whole-buffer loop over partial writes)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        off, n = 0, len(view)
-        while off < n:
-            written = os.write(fd, view[off:off + (64 << 20)])
-            if written <= 0:
-                raise OSError(f"os.write wrote {written} bytes")
-            off += written
-    finally:
-        os.close(fd)
-
-
-def _overwrite_bytes(path: str, view: memoryview) -> None:
-    """Write `view` at the start of an existing (pooled) file, keeping its size: its
-    page-cache pages are reused, where a new file would allocate fresh ones."""
-    fd = os.open(path, os.O_WRONLY)
+def _write_bytes(path: str, view: memoryview, overwrite: bool = False) -> None:
+    """Write `view` to a new file at `path`, or with `overwrite` at the start of an existing
+    (pooled) file, keeping its size: its page-cache pages are reused, where a new file
+    would allocate fresh ones (whole-buffer loop over partial writes)."""
+    fd = os.open(path, os.O_WRONLY) if overwrite else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         off, n = 0, len(view)
         while off < n:
@@ -319,10 +306,7 @@ class _Core:
                 if rec.nbytes:
                     path, size = self._take_file(rec)
                     rec.path, rec.capacity = path, size or rec.nbytes
-                    if size:
-                        _overwrite_bytes(path, _span(host))
-                    else:
-                        _write_bytes(path, _span(host))
+                    _write_bytes(path, _span(host), overwrite=bool(size))
                     if self.fsync:
                         fd = os.open(path, os.O_RDONLY)
                         try:
@@ -367,10 +351,7 @@ class _Core:
             if self.tier == "disk":
                 staging = make(pin_memory=True) if on_cuda else make()
                 if rec.nbytes:
-                    if rec.capacity == rec.nbytes:
-                        _read_bytes(rec.path, _span(staging))
-                    else:
-                        _read_bytes(rec.path, _span(staging), exact=False)
+                    _read_bytes(rec.path, _span(staging), exact=rec.capacity == rec.nbytes)
             else:
                 staging = rec.host
             if on_cuda:
