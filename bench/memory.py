@@ -162,6 +162,9 @@ def main():
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--chunks", type=int, default=8, help="chunks of the no-budget sppo configuration")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the configuration list this many times, interleaved; report medians and "
+                        "per-round ratios to eager (CPU timings drift by 5-10%% between processes)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--sppo-compile", action="store_true", help="compile sppo's chunk programs with Inductor")
     p.add_argument("--json", default=None)
@@ -180,53 +183,25 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    results, eager_peak, ref = [], 0, None
+    runs, eager_peak, ref = [], 0, None
+    configs = args.configs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.configs.split(","):
-            if args.json and results:  # what finished so far survives a kill of this run
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
-            cmd = [sys.executable, __file__, "--worker", "--config", name, "--eager-peak", str(eager_peak),
-                   "--grads-out", os.path.join(tmp, f"{name}.pt"), "--model", args.model, "--size", args.size,
-                   "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--chunks", str(args.chunks)]
-            if args.sppo_compile:
-                cmd.append("--sppo-compile")
-            if args.offload_dir:
-                cmd += ["--offload-dir", args.offload_dir]
-            if args.device != "cpu" or args.dtype != "fp32":
-                cmd += ["--device", args.device, "--dtype", args.dtype]
-            if args.tier:
-                cmd += ["--tier", args.tier]
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            # A fixed mmap threshold makes glibc return every large freed block to the OS,
-            # so RSS follows live tensors (its dynamic threshold would keep freed gradients
-            # resident and hide them from the next step's peak).
-            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
-            t0 = time.perf_counter()
-            try:
-                res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.worker_timeout)
-            except subprocess.TimeoutExpired as e:
-                results.append({"config": name, "error": f"timed out after {args.worker_timeout:g} s"})
-                if args.device == "cuda":
-                    _echo_tail(name, e.stderr)
-                continue
-            if res.returncode:
-                results.append({"config": name, "error": _error_line(res.stderr) or f"exit code {res.returncode}"})
-                if args.device == "cuda":
-                    _echo_tail(name, res.stderr)
-                continue
-            r = json.loads(res.stdout.strip().splitlines()[-1])
-            if name == "eager":
-                eager_peak = r["peak_extra"]
-                ref = torch.load(os.path.join(tmp, "eager.pt"))
-            grads = torch.load(os.path.join(tmp, f"{name}.pt"))
-            r["max_grad_diff"] = (max((grads[k] - ref[k]).abs().max().item() for k in ref)
-                                  if ref is not None else float("nan"))
-            results.append(r)
-            if args.device == "cuda":
-                print(f"  {name}: step {r['step_s']:.3f} s, peak extra {r['peak_extra'] / 2**20:.0f} MiB, "
-                      f"max |grad - eager| {r['max_grad_diff']:.1e} ({time.perf_counter() - t0:.0f} s)",
-                      file=sys.stderr, flush=True)
+        for round_ in range(args.rounds):
+            for name in configs:
+                if args.json and runs:  # what finished so far survives a kill of this run
+                    with open(args.json, "w") as f:
+                        json.dump(runs, f, indent=1)
+                r = _run_worker(args, name, eager_peak, tmp)
+                r["round"] = round_
+                if "error" not in r:
+                    if name == "eager" and ref is None:
+                        eager_peak = r["peak_extra"]  # budgets stay those of the first round
+                        ref = torch.load(os.path.join(tmp, "eager.pt"))
+                    grads = torch.load(os.path.join(tmp, f"{name}.pt"))
+                    r["max_grad_diff"] = (max((grads[k] - ref[k]).abs().max().item() for k in ref)
+                                          if ref is not None else float("nan"))
+                runs.append(r)
+    results = _combine_rounds(runs, configs)
     base = next((r for r in results if r["config"] == "eager" and "error" not in r), None)
     rows = []
     for r in results:
@@ -237,7 +212,9 @@ def main():
         if r.get("budget"):
             limit = r["budget"] * 1.10 + 16 * 2**20
             budget_ok = "yes" if r["peak_extra"] <= limit else "NO"
-        rows.append((r["config"], f"{r['step_s']:.2f}", _ratio(r["step_s"], base and base["step_s"]),
+        step_ratio = (f"{r['step_ratio']:.3f}" if r.get("step_ratio") is not None
+                      else _ratio(r["step_s"], base and base["step_s"]))
+        rows.append((r["config"], f"{r['step_s']:.2f}", step_ratio,
                      f"{r['peak_extra'] / 2**20:.0f}", _ratio(r["peak_extra"], base and base["peak_extra"]),
                      "-" if r.get("predicted") is None else f"{r['predicted'] / 2**20:.0f}",
                      "-" if r.get("budget") is None else f"{r['budget'] / 2**20:.0f} ({budget_ok})",
@@ -255,9 +232,77 @@ def main():
     for r in results:
         if r.get("plan"):
             print(f"\n{r['config']} plan:\n{r['plan']}")
+    if args.rounds > 1:
+        print(f"\n{args.rounds} rounds, configurations interleaved; step s = median over rounds, "
+              "vs eager = median of each round's ratio to that round's eager, peak = largest of the rounds")
+        for r in results:
+            if r.get("round_ratios"):
+                print(f"  {r['config']}: " + ", ".join(f"{x:.3f}" for x in r["round_ratios"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"configs": results, "runs": runs} if args.rounds > 1 else results, f, indent=1)
+
+
+def _run_worker(args, name, eager_peak, tmp):
+    """One configuration in its own process; its JSON result, or {"config", "error"}."""
+    cmd = [sys.executable, __file__, "--worker", "--config", name, "--eager-peak", str(eager_peak),
+           "--grads-out", os.path.join(tmp, f"{name}.pt"), "--model", args.model, "--size", args.size,
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--chunks", str(args.chunks)]
+    if args.sppo_compile:
+        cmd.append("--sppo-compile")
+    if args.offload_dir:
+        cmd += ["--offload-dir", args.offload_dir]
+    if args.device != "cpu" or args.dtype != "fp32":
+        cmd += ["--device", args.device, "--dtype", args.dtype]
+    if args.tier:
+        cmd += ["--tier", args.tier]
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    # A fixed mmap threshold makes glibc return every large freed block to the OS,
+    # so RSS follows live tensors (its dynamic threshold would keep freed gradients
+    # resident and hide them from the next step's peak).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.worker_timeout)
+    except subprocess.TimeoutExpired as e:
+        if args.device == "cuda":
+            _echo_tail(name, e.stderr)
+        return {"config": name, "error": f"timed out after {args.worker_timeout:g} s"}
+    if res.returncode:
+        if args.device == "cuda":
+            _echo_tail(name, res.stderr)
+        return {"config": name, "error": _error_line(res.stderr) or f"exit code {res.returncode}"}
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    print(f"  {name}: step {r['step_s']:.3f} s, peak extra {r['peak_extra'] / 2**20:.0f} MiB "
+          f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return r
+
+
+def _combine_rounds(runs, configs):
+    """One result per configuration from interleaved rounds.
+
+    Step time is the median over rounds; the ratio to eager is the median of the per-round
+    ratios, each against the eager run of the same round, so slow drifts of the machine
+    (other load, page cache, thermal) cancel; peak memory and gradient difference are the
+    worst of the rounds. A configuration that failed in any round is reported failed."""
+    eager_by_round = {r["round"]: r["step_s"] for r in runs if r["config"] == "eager" and "error" not in r}
+    results = []
+    for name in configs:
+        mine = [r for r in runs if r["config"] == name]
+        failed = next((r for r in mine if "error" in r), None)
+        if failed or not mine:
+            results.append(failed or {"config": name, "error": "not run"})
+            continue
+        r = dict(mine[0])
+        r["step_s"] = statistics.median(x["step_s"] for x in mine)
+        r["peak_extra"] = max(x["peak_extra"] for x in mine)
+        r["max_grad_diff"] = max(x["max_grad_diff"] for x in mine)
+        ratios = [x["step_s"] / eager_by_round[x["round"]] for x in mine if x["round"] in eager_by_round]
+        if len(mine) > 1 and ratios:
+            r["round_ratios"] = ratios
+            r["step_ratio"] = statistics.median(ratios)
+        results.append(r)
+    return results
 
 
 def _error_line(stderr: str) -> str:
