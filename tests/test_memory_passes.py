@@ -14,8 +14,8 @@ from torch._functorch.aot_autograd import aot_function
 import sppo_fx
 from sppo_fx.codegen import compile_chunk_program
 from sppo_fx.models import build
-from sppo_fx.ops.offload import active_memory
-from sppo_fx.passes.offload import memory_partitioner
+from sppo_fx.ops.offload import MatmulGrad, active_memory
+from sppo_fx.passes.offload import fuse_grad_matmul, memory_partitioner
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.local import chunked_loss
 from sppo_fx.runtime.memory import ChunkMemory
@@ -264,7 +264,8 @@ def test_parameter_gradients_accumulate_inside_the_backward_graph():
 
     class Sink(ChunkMemory):
         def __init__(self):
-            super().__init__(grad_sink=lambda i, g: got.__setitem__(i, g.clone()))
+            super().__init__(grad_sink=lambda i, g: got.__setitem__(
+                i, g.materialize() if isinstance(g, MatmulGrad) else g.clone()))
     loss, _ = compiled(*args)
     with active_memory(Sink()):
         gx, gw1, gw2 = torch.autograd.grad(loss, args, allow_unused=True, materialize_grads=True)
@@ -279,3 +280,61 @@ def test_parameter_gradients_accumulate_inside_the_backward_graph():
     for n in nodes:  # each add right after its gradient is produced
         if n.target is torch.ops.sppo.accumulate_grad.default:
             assert nodes[nodes.index(n) - 1] is n.args[0]
+    # both weight gradients are matmuls: folded into their accumulation (fuse_grad_matmul)
+    fused = [n for n in nodes if n.target is torch.ops.sppo.accumulate_grad_mm.default]
+    assert sorted(n.args[2] for n in fused) == [0, 1]
+
+
+def _grad_graph(transposed: bool, extra_user: bool = False) -> fx.GraphModule:
+    """A hand-built backward tail: gw = mm(a, b) (or its transpose) into accumulate_grad."""
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    a.meta["val"], b.meta["val"] = torch.empty(3, 5), torch.empty(5, 4)
+    mm = g.call_function(torch.ops.aten.mm.default, (a, b))
+    gw = g.call_function(torch.ops.aten.permute.default, (mm, [1, 0])) if transposed else mm
+    g.call_function(torch.ops.sppo.accumulate_grad.default, (gw, 7))
+    g.output((mm,) if extra_user else (None,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fuse_grad_matmul_folds_the_matmul_into_the_accumulation(transposed):
+    gm = fuse_grad_matmul(_grad_graph(transposed))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.mm.default not in targets and torch.ops.sppo.accumulate_grad.default not in targets
+    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.sppo.accumulate_grad_mm.default)
+    assert fused.args[2] == 7
+    a, b = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    got = {}
+
+    class Sink(ChunkMemory):
+        def __init__(self):
+            super().__init__(grad_sink=lambda i, g: got.__setitem__(i, g))
+    with active_memory(Sink()):
+        gm(a, b)
+    want = (a @ b).t() if transposed else a @ b
+    assert isinstance(got[7], MatmulGrad)
+    assert torch.allclose(got[7].materialize(), want)
+
+
+def test_fuse_grad_matmul_leaves_a_matmul_with_other_users():
+    gm = fuse_grad_matmul(_grad_graph(False, extra_user=True))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.aten.mm.default, torch.ops.sppo.accumulate_grad.default]
+
+
+def test_executor_adds_a_matmul_gradient_with_addmm():
+    """StageRunner's sink: the first MatmulGrad becomes .grad, later ones add into it."""
+    from sppo_fx.runtime.local import StageRunner
+    a, b = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    leaf = torch.zeros(4, 3, dtype=torch.float64, requires_grad=True)
+    runner = StageRunner.__new__(StageRunner)  # only the sink's state is needed
+    runner.params = [leaf]
+    runner._accumulate_grad(0, MatmulGrad(a, b))
+    first = leaf.grad
+    assert torch.equal(first, a @ b)
+    runner._accumulate_grad(0, MatmulGrad(a, 2 * b))
+    assert leaf.grad is first  # in place
+    assert torch.allclose(leaf.grad, 3 * (a @ b))
+    runner._accumulate_grad(0, a @ b)  # a plain gradient still adds
+    assert torch.allclose(leaf.grad, 4 * (a @ b))

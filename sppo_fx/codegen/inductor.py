@@ -65,6 +65,32 @@ def _make_partitioner(recompute: str, offload: bool):
     return _partitioner_class()(recompute, offload)
 
 
+def _compile_inner(gm, example_inputs, **kwargs):
+    from torch._inductor.compile_fx import compile_fx_inner
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def _forward_without_buffer_reuse(gm, example_inputs, **kwargs):
+    """Inductor's inner compile, with buffer reuse off in forward graphs only.
+
+    A tensor handed to `sppo.offload` (or `sppo.kv_out`) in a forward graph stays
+    referenced by the activation store after the graph's last use of it (until its copy is
+    written, or to the backward when the slot is kept): Inductor must not recycle its buffer
+    for another tensor or write a kernel's output into it in place. The backward graph's ops
+    keep nothing they are given (`sppo.wait` hands tensors to the graph,
+    `sppo.accumulate_grad` copies or adds, the prefix attention's K/V gradients are its
+    own), so the backward keeps Inductor's buffer reuse: on a CPU every fresh buffer costs
+    page faults (bench model, 4096 tokens, 25% budget, under bench/memory.py's malloc
+    settings: 14.2 GiB faulted in per step with reuse off in both graphs, 10.7 GiB with it
+    on in backward; 4 chunks without offload: 6.4 GiB).
+    """
+    from torch._inductor import config as inductor_config
+    if kwargs.get("is_backward"):
+        return _compile_inner(gm, example_inputs, **kwargs)
+    with inductor_config.patch(allow_buffer_reuse=False, inplace_buffers=False):
+        return _compile_inner(gm, example_inputs, **kwargs)
+
+
 class CompiledProgram:
     """A GraphModule compiled on first call (dynamic shapes); callable like the module.
 
@@ -130,12 +156,8 @@ class CompiledProgram:
         from torch._inductor.compile_fx import compile_fx
         patches = {"custom_partitioner_fn": _partitioner_class()(self.recompute, self.offload, self.partitions,
                                                                  self._grad_index(graph))}
-        if self.offload:
-            # A saved tensor handed to sppo.offload is still referenced by the activation
-            # store after the graph stops using it: Inductor must not recycle its buffer for
-            # another tensor (buffer reuse) or write a kernel's output into it (in-place).
-            patches.update(allow_buffer_reuse=False, inplace_buffers=False)
-        return compile_fx(graph, example_inputs, config_patches=patches)
+        return compile_fx(graph, example_inputs, config_patches=patches,
+                          inner_compile=_forward_without_buffer_reuse if self.offload else _compile_inner)
 
     def __call__(self, *args):
         # Without duck shaping, a prefix as long as the chunk does not get the chunk's

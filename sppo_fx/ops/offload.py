@@ -11,6 +11,7 @@ in the generated code as `torch.ops.sppo.offload.default(...)` etc.
       return ..., h       # saved: h, not x     ... x's users
                                                 g  = <grad of parameter i>
                                                 sppo.accumulate_grad(g, i)   # into .grad now
+                                                sppo.accumulate_grad_mm(a, b, j)  # .grad += a @ b
                                                 return (..., None, ...)      # not g
 
 A handle is an *empty* tensor of shape (*x.shape, 0): it owns no memory, and carries x's
@@ -22,7 +23,7 @@ decides keep | offload per slot and hands the tensor back at `wait`.
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -36,6 +37,19 @@ class SlotMemory(Protocol):
     def prefetch(self, slot: int) -> None: ...
     def wait(self, slot: int) -> torch.Tensor: ...
     def accumulate_grad(self, grad: torch.Tensor, index: int) -> None: ...
+    def accumulate_grad_mm(self, a: torch.Tensor, b: torch.Tensor, index: int) -> None: ...
+
+
+class MatmulGrad(NamedTuple):
+    """A parameter gradient not yet computed: `a @ b` (`sppo.accumulate_grad_mm`). The
+    receiver adds it with one `addmm_` (the GEMM reads `.grad` as its C operand), or makes
+    it the first `.grad` with one `mm`: no gradient-sized temporary, no separate add."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return torch.mm(self.a, self.b)
 
 
 _active: list[SlotMemory] = []
@@ -139,5 +153,19 @@ def _(grad, index):
     return None
 
 
-# No outputs: without this, dead-code elimination (FX's and Inductor's) would drop it.
+@torch.library.custom_op("sppo::accumulate_grad_mm", mutates_args=())
+def accumulate_grad_mm(a: torch.Tensor, b: torch.Tensor, index: int) -> None:
+    """`sppo.accumulate_grad(a @ b, index)` without materialising `a @ b`: a linear layer's
+    weight gradient goes straight into `.grad` (`MatmulGrad`), see
+    `sppo_fx.passes.offload.fuse_grad_matmul`."""
+    _memory("accumulate_grad_mm").accumulate_grad_mm(a, b, index)
+
+
+@accumulate_grad_mm.register_fake
+def _(a, b, index):
+    return None
+
+
+# No outputs: without this, dead-code elimination (FX's and Inductor's) would drop them.
 torch.fx.node.has_side_effect(torch.ops.sppo.accumulate_grad.default)
+torch.fx.node.has_side_effect(torch.ops.sppo.accumulate_grad_mm.default)

@@ -25,6 +25,13 @@ The prefetch nodes are requests: with a copy window (`Plan.copy_window_bytes`) t
 `ChunkMemory` queues them and starts each read when what is in flight fits the window, so
 the tensors come back layer by layer during the backward, not all at its start.
 
+`accumulate_param_grads(bw, grad_index)` sends each parameter gradient to `.grad` as soon
+as the backward produces it, and `fuse_grad_matmul(bw)` folds a linear layer's weight
+gradient matmul into that accumulation:
+
+    gw = mm(a, b)                   ->      sppo.accumulate_grad_mm(a, b, i)
+    sppo.accumulate_grad(gw, i)             # .grad.addmm_(a, b): no gw buffer, no extra add
+
 Offloadable: produced by this chunk (not a parameter, input or K/V prefix, nor a view of
 one), not a forward output or a view of one (the chunk's K/V lives on anyway), the only
 saved value on its storage, and dense (so it comes back with the same layout). At run
@@ -241,6 +248,62 @@ def accumulate_param_grads(bw: fx.GraphModule, grad_index: dict[int, int]) -> fx
     return bw
 
 
+_TRANSPOSES = (torch.ops.aten.permute.default, torch.ops.aten.t.default)
+
+
+def _is_transpose_2d(n) -> bool:
+    return (isinstance(n, fx.Node) and n.op == "call_function" and n.target in _TRANSPOSES
+            and (n.target is torch.ops.aten.t.default or list(n.args[1]) == [1, 0]))
+
+
+def fuse_grad_matmul(bw: fx.GraphModule) -> fx.GraphModule:
+    """Fold weight-gradient matmuls into their accumulation (after `accumulate_param_grads`).
+
+        gw = mm(a, b)                               sppo.accumulate_grad_mm(a, b, i)
+        sppo.accumulate_grad(gw, i)        ->
+
+        gw = permute(mm(a, b), [1, 0])              bt = permute(b, [1, 0])
+        sppo.accumulate_grad(gw, i)        ->       at = permute(a, [1, 0])
+                                                    sppo.accumulate_grad_mm(bt, at, i)
+
+    only where the matmul's result has no other user. A chunk after the first then adds
+    its weight gradients inside the GEMM (`addmm_` with C = `.grad`), instead of writing a
+    gradient-sized buffer and reading it back in a separate add: on a CPU that add is a
+    full pass over the gradients per chunk (about 1% of a 4-chunk step of the bench model).
+
+    Args:
+        bw: the backward graph (changed in place).
+
+    Returns:
+        bw.
+    """
+    aten = torch.ops.aten
+    for acc in [n for n in bw.graph.nodes if n.target is torch.ops.sppo.accumulate_grad.default]:
+        g, index = acc.args
+        transposed = _is_transpose_2d(g)
+        mm = g.args[0] if transposed else g
+        if not (isinstance(mm, fx.Node) and mm.target is aten.mm.default and len(mm.users) == 1
+                and len(g.users) == 1):
+            continue
+        a, b = mm.args
+        with bw.graph.inserting_before(acc):
+            if transposed:
+                a, b = (bw.graph.call_function(aten.permute.default, (b, [1, 0])),
+                        bw.graph.call_function(aten.permute.default, (a, [1, 0])))
+                for n, src in ((a, mm.args[1]), (b, mm.args[0])):
+                    if "val" in src.meta:
+                        n.meta["val"] = src.meta["val"].permute(1, 0)
+            fused = bw.graph.call_function(torch.ops.sppo.accumulate_grad_mm.default, (a, b, index))
+        fused.meta.update({k: v for k, v in acc.meta.items() if k != "val"})
+        bw.graph.erase_node(acc)
+        if transposed:
+            bw.graph.erase_node(g)
+        bw.graph.erase_node(mm)
+    bw.graph.lint()
+    bw.recompile()
+    return bw
+
+
 @dataclasses.dataclass
 class PartitionRecord:
     """The graphs one compile produced (what `.graphs` shows)."""
@@ -278,6 +341,7 @@ def memory_partitioner(recompute: str = "none", offload: bool = True, records: l
             fw, bw, slots = insert_offload_nodes(fw, bw, num_fwd_outputs)
         if grad_index:
             bw = accumulate_param_grads(bw, grad_index)
+            bw = fuse_grad_matmul(bw)
         if records is not None:
             records.append(PartitionRecord(fw, bw, slots, recompute))
         return fw, bw

@@ -317,10 +317,20 @@ class StageRunner:
             del self.microbatches[mb]
         return recv_grads
 
-    def _accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Add a parameter gradient from a backward graph (`sppo.accumulate_grad`) to the
-        parameter's leaf, as autograd's AccumulateGrad would."""
+    def _accumulate_grad(self, index: int, grad) -> None:
+        """Add a parameter gradient from a backward graph (`sppo.accumulate_grad`, or
+        `sppo.accumulate_grad_mm` with a `MatmulGrad`) to the parameter's leaf, as
+        autograd's AccumulateGrad would."""
+        from sppo_fx.ops.offload import MatmulGrad
         leaf = self.params[index]
+        if isinstance(grad, MatmulGrad):
+            if leaf.grad is not None:
+                leaf.grad.addmm_(grad.a, grad.b)
+                return
+            grad = grad.materialize()
+            if grad.stride() == leaf.stride():
+                leaf.grad = grad  # a fresh tensor of the graph's: no copy needed
+                return
         if leaf.grad is None:
             # a copy in the parameter's layout: `grad` may be a view into a graph buffer
             leaf.grad = torch.empty_like(leaf).copy_(grad)

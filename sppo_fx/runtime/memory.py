@@ -101,7 +101,8 @@ class ChunkMemory:
         quota: bytes this chunk may offload (the plan's ratio times its level-2 bytes).
         min_bytes: tensors smaller than this stay on the device.
         grad_sink: `(parameter index, gradient) -> None`, where `sppo.accumulate_grad`
-            sends parameter gradients during the chunk's backward.
+            sends parameter gradients during the chunk's backward; from
+            `sppo.accumulate_grad_mm` the gradient is a `sppo_fx.ops.offload.MatmulGrad`.
         skeleton: the micro-batch's `runtime.skeleton.KVSkeleton`, for chunk programs whose
             K/V prefix is streamed (`sppo_fx.ops.skeleton`); None otherwise.
         chunk: this chunk's index in its micro-batch (with `skeleton`).
@@ -174,6 +175,10 @@ class ChunkMemory:
             from sppo_fx.errors import SppoError
             raise SppoError("a backward graph accumulates parameter gradients, but its chunk has no grad sink")
         self.grad_sink(index, grad)
+
+    def accumulate_grad_mm(self, a: torch.Tensor, b: torch.Tensor, index: int) -> None:
+        from sppo_fx.ops.offload import MatmulGrad
+        self.accumulate_grad(MatmulGrad(a, b), index)
 
     # ---- the K/V skeleton (sppo_fx.ops.skeleton) --------------------------------------
     def _skeleton(self, op: str):
