@@ -344,3 +344,44 @@ def test_pooled_files_are_overwritten_and_removed_at_close(tmp_path):
         # the pool stays within the most bytes the tier held at once
         assert store.pooled_bytes <= store.peak_bytes_offloaded
     assert not os.path.exists(d)
+
+
+def _read_back(store, t):
+    h = store.offload(t)
+    out = store.wait(h)
+    store.release(h)
+    return out
+
+
+def test_read_buffers_recycled_once_the_reader_lets_go(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path), reuse_files=True) as store:
+        store.recycle_read_buffers(1 << 20)
+        a, b, c = (torch.randn(64, 64) for _ in range(3))
+        x = _read_back(store, a)
+        ptr = x.data_ptr()
+        y = _read_back(store, b)  # x is still alive: its memory is not handed out again
+        assert y.data_ptr() != ptr and torch.equal(x, a) and torch.equal(y, b)
+        del x
+        z = _read_back(store, c)  # x is gone: its memory serves the next read of its size
+        assert z.data_ptr() == ptr and torch.equal(z, c) and torch.equal(y, b)
+        assert store.read_buffer_bytes == 2 * a.numel() * 4
+        del y, z
+        store.trim_read_buffers()
+        assert store.read_buffer_bytes == 0
+
+
+def test_read_buffers_keep_layout_and_stay_within_their_limit(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path), reuse_files=True) as store:
+        t = torch.randn(48, 32).t()  # transposed: comes back with the same strides
+        store.recycle_read_buffers(t.numel() * 4 * 3 // 2)
+        outs = [_read_back(store, t) for _ in range(3)]  # all alive: one pooled, two fresh
+        assert all(o.stride() == t.stride() and torch.equal(o, t) for o in outs)
+        assert store.read_buffer_bytes == t.numel() * 4
+        assert len({o.data_ptr() for o in outs}) == 3
+
+
+def test_read_buffers_off_by_default(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        x = _read_back(store, torch.randn(32, 32))
+        del x
+        assert store.read_buffer_bytes == 0

@@ -115,6 +115,9 @@ class StageRunner:
         self.store, self.min_offload_bytes = store, min_offload_bytes
         window = copy_window_bytes if copy_window_bytes is not None else plan.copy_window_bytes
         self.window = CopyWindow(store, window) if store is not None and window is not None else None
+        if self.window is not None and getattr(store, "tier", None) == "disk":
+            # the reads in flight fit the window: recycle that much read-back memory
+            store.recycle_read_buffers(window)
         self.offload = offload
         if skeleton not in SKELETON_MODES:
             raise SppoError(f"skeleton={skeleton!r}: choose one of {SKELETON_MODES}")
@@ -315,6 +318,8 @@ class StageRunner:
         del m.states[i]
         if not m.states:
             del self.microbatches[mb]
+            if self.store is not None:
+                self.store.trim_read_buffers()  # nothing is read until the next forward
         return recv_grads
 
     def _accumulate_grad(self, index: int, grad) -> None:

@@ -64,6 +64,10 @@ from sppo_fx.errors import SppoError
 
 TIERS = ("device", "host", "disk")
 
+# References to a storage (tensors and Python storage objects); None if this torch lacks it.
+_storage_use_count = (
+    (lambda st: torch._C._storage_Use_Count(st._cdata)) if hasattr(torch._C, "_storage_Use_Count") else None)
+
 
 class StoreError(SppoError):
     """An offload or a read-back of the activation store failed (disk full, I/O error, ...)."""
@@ -218,6 +222,8 @@ class _Core:
         self.reuse_files = reuse_files
         self.free_files: list[tuple[int, str]] = []  # (size, path) of pooled files holding no data
         self.pool_bytes = 0
+        self.read_buffers: list[torch.UntypedStorage] = []  # recycled read-back memory (CPU, disk tier)
+        self.read_buffer_limit = 0
         self.lock = threading.RLock()
         self.bytes_on_device = 0
         self.bytes_offloaded = 0
@@ -349,7 +355,9 @@ class _Core:
             else:
                 make = lambda **kw: torch.empty(rec.shape, dtype=rec.dtype, **kw)  # noqa: E731
             if self.tier == "disk":
-                staging = make(pin_memory=True) if on_cuda else make()
+                staging = None if on_cuda else self._take_read_buffer(rec)
+                if staging is None:
+                    staging = make(pin_memory=True) if on_cuda else make()
                 if rec.nbytes:
                     _read_bytes(rec.path, _span(staging), exact=rec.capacity == rec.nbytes)
             else:
@@ -387,6 +395,45 @@ class _Core:
                 f"{list(rec.shape)} {str(rec.dtype).replace('torch.', '')} back"
                 f"{' from ' + rec.path if rec.path else ''} failed: {type(e).__name__}: {e}"))
             raise
+
+    # -- recycled read-back buffers (CPU, disk tier)
+    def _take_read_buffer(self, rec: _Record) -> torch.Tensor | None:
+        """An empty tensor for rec's data on memory a finished read used before (no page
+        faults: on this project's CPU VM a fresh buffer costs about 0.3 s/GB in faults,
+        more than the read itself), or on a new buffer kept for reuse; None when the pool
+        is off or full.
+
+        A buffer is free again once no tensor uses its storage (use count 1: the pool's own
+        reference), i.e. once the backward graph has let go of the activation read into it.
+        """
+        n = rec.nbytes
+        if self.read_buffer_limit <= 0 or n == 0 or _storage_use_count is None:
+            return None
+        with self.lock:
+            best = None
+            for st in self.read_buffers:
+                size = st.nbytes()
+                if n <= size <= 2 * n and (best is None or size < best.nbytes()) and _storage_use_count(st) == 1:
+                    best = st
+            if best is None:
+                held = sum(st.nbytes() for st in self.read_buffers)
+                for st in [st for st in self.read_buffers if _storage_use_count(st) == 1]:
+                    if held + n <= self.read_buffer_limit:
+                        break
+                    self.read_buffers.remove(st)  # a free buffer of a size that did not fit
+                    held -= st.nbytes()
+                if held + n > self.read_buffer_limit:
+                    return None
+                best = torch.UntypedStorage(n)
+                self.read_buffers.append(best)
+            # made under the lock: from here on the use count says "taken"
+            out = torch.empty(0, dtype=rec.dtype)
+            stride = rec.stride if rec.stride is not None else torch.empty(rec.shape, device="meta").stride()
+            return out.set_(best, 0, rec.shape, stride)
+
+    def trim_read_buffers(self) -> None:
+        with self.lock:
+            self.read_buffers = [st for st in self.read_buffers if _storage_use_count(st) > 1]
 
     # -- release
     def _drop_storage(self, rec: _Record):
@@ -690,6 +737,25 @@ class ActivationStore:
     def release(self, handle: Handle) -> None:
         """Forget the handle's data (file, host buffer, read-back tensor)."""
         _Core.release_record(self._core, handle._rec)
+
+    def recycle_read_buffers(self, max_bytes: int) -> None:
+        """Keep up to `max_bytes` of read-back memory (disk tier, CPU tensors) and read later
+        tensors into it once the tensors read into it are gone, instead of allocating fresh
+        memory per read. The executor sets this to its copy window, so the recycled memory is
+        what the window has in flight anyway; `trim_read_buffers` (after each micro-batch's
+        backward) gives the free ones back."""
+        with self._core.lock:
+            self._core.read_buffer_limit = max(self._core.read_buffer_limit, int(max_bytes))
+
+    def trim_read_buffers(self) -> None:
+        """Give back recycled read-back buffers that no tensor uses any more."""
+        self._core.trim_read_buffers()
+
+    @property
+    def read_buffer_bytes(self) -> int:
+        """Bytes of recycled read-back buffers held now (free or in use)."""
+        with self._core.lock:
+            return sum(st.nbytes() for st in self._core.read_buffers)
 
     @property
     def pending_write_bytes(self) -> int:
