@@ -1,6 +1,6 @@
 """Memory benchmark: sppo_fx under memory budgets vs eager, checkpointing and torch.compile.
 
-    python bench/memory.py [--model llama --size bench --seq-len 4096 --steps 2]
+    python bench/memory.py [--model llama --size bench --seq-len 4096 --steps 2 --rounds 1]
     python bench/memory.py --device cuda --dtype bf16 --seq-len 16384     # on a GPU
 
 The default sequence is 4096 tokens: at 2048 the bench model's parameter gradients
@@ -16,6 +16,11 @@ Configurations, each in its own process (fresh allocator, fresh caches):
     sppo-50%       sppo_fx with budget = 50% of eager's measured peak extra memory (disk tier)
     sppo-25%       sppo_fx with budget = 25%
     sppo-skel-25%  (optional) budget 25% with the K/V skeleton offloaded (skeleton="offload")
+
+With --rounds N the whole list runs N times, interleaved (eager, ..., eager, ...): each
+configuration's step time is the median over rounds, its ratio to eager the median of the
+per-round ratios to that round's eager (which cancels the machine's drift between
+processes), its peak memory and gradient difference the worst of the rounds.
 
 Measured per configuration: median step time after one warm-up step (which includes
 tracing, compiling, calibrating), peak extra memory = the process's peak RSS (VmHWM, reset

@@ -498,6 +498,8 @@ class _Core:
         wait = not threading.current_thread().name.startswith("sppo-store-")
         self.writer.shutdown(wait=wait, cancel_futures=True)
         self.reader.shutdown(wait=wait, cancel_futures=True)
+        with self.lock:
+            self.read_buffers = []
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
