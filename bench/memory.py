@@ -301,7 +301,8 @@ def _combine_rounds(runs, configs):
         r = dict(mine[0])
         r["step_s"] = statistics.median(x["step_s"] for x in mine)
         r["peak_extra"] = max(x["peak_extra"] for x in mine)
-        r["max_grad_diff"] = max(x["max_grad_diff"] for x in mine)
+        diffs = [x["max_grad_diff"] for x in mine]
+        r["max_grad_diff"] = float("nan") if any(d != d for d in diffs) else max(diffs)  # NaN: no reference
         ratios = [x["step_s"] / eager_by_round[x["round"]] for x in mine if x["round"] in eager_by_round]
         if len(mine) > 1 and ratios:
             r["round_ratios"] = ratios

@@ -385,3 +385,17 @@ def test_read_buffers_off_by_default(tmp_path):
         x = _read_back(store, torch.randn(32, 32))
         del x
         assert store.read_buffer_bytes == 0
+
+
+def test_a_read_larger_than_the_limit_leaves_the_pool_alone(tmp_path):
+    with ActivationStore("disk", dir=str(tmp_path), reuse_files=True) as store:
+        small = torch.randn(32, 32)
+        store.recycle_read_buffers(small.numel() * 4)
+        x = _read_back(store, small)
+        ptr = x.data_ptr()
+        del x
+        src = torch.randn(64, 64)
+        big = _read_back(store, src)  # over the limit: a fresh buffer
+        assert torch.equal(big, src) and big.data_ptr() != ptr
+        assert store.read_buffer_bytes == small.numel() * 4
+        assert _read_back(store, small).data_ptr() == ptr

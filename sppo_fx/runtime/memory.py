@@ -103,6 +103,8 @@ class ChunkMemory:
         grad_sink: `(parameter index, gradient) -> None`, where `sppo.accumulate_grad`
             sends parameter gradients during the chunk's backward; from
             `sppo.accumulate_grad_mm` the gradient is a `sppo_fx.ops.offload.MatmulGrad`.
+            The sink must use (or copy) what it gets before it returns: with Inductor
+            the tensors are graph buffers that the backward may reuse right after.
         skeleton: the micro-batch's `runtime.skeleton.KVSkeleton`, for chunk programs whose
             K/V prefix is streamed (`sppo_fx.ops.skeleton`); None otherwise.
         chunk: this chunk's index in its micro-batch (with `skeleton`).

@@ -390,6 +390,9 @@ class _Core:
                 self._free_file(path, rec.capacity)
             return out
         except BaseException as e:  # noqa: BLE001
+            # the traceback outlives this call (in the Future and the error): it must not
+            # keep a recycled buffer in use
+            staging = out = None  # noqa: F841
             self._fail(rec, StoreReadError(
                 f"sppo_fx activation store ({self.tier} tier): reading tensor #{rec.id} "
                 f"{list(rec.shape)} {str(rec.dtype).replace('torch.', '')} back"
@@ -407,8 +410,8 @@ class _Core:
         reference), i.e. once the backward graph has let go of the activation read into it.
         """
         n = rec.nbytes
-        if self.read_buffer_limit <= 0 or n == 0 or _storage_use_count is None:
-            return None
+        if not 0 < n <= self.read_buffer_limit or _storage_use_count is None:
+            return None  # (a read larger than the limit must not flush the pool)
         with self.lock:
             best = None
             for st in self.read_buffers:
@@ -427,7 +430,7 @@ class _Core:
                 best = torch.UntypedStorage(n)
                 self.read_buffers.append(best)
             # made under the lock: from here on the use count says "taken"
-            out = torch.empty(0, dtype=rec.dtype)
+            out = torch.empty(0, dtype=rec.dtype, device="cpu")
             stride = rec.stride if rec.stride is not None else torch.empty(rec.shape, device="meta").stride()
             return out.set_(best, 0, rec.shape, stride)
 
