@@ -65,11 +65,6 @@ def _make_partitioner(recompute: str, offload: bool):
     return _partitioner_class()(recompute, offload)
 
 
-def _compile_inner(gm, example_inputs, **kwargs):
-    from torch._inductor.compile_fx import compile_fx_inner
-    return compile_fx_inner(gm, example_inputs, **kwargs)
-
-
 def _forward_without_buffer_reuse(gm, example_inputs, **kwargs):
     """Inductor's inner compile, with buffer reuse off in forward graphs only.
 
@@ -85,10 +80,11 @@ def _forward_without_buffer_reuse(gm, example_inputs, **kwargs):
     on in backward; 4 chunks without offload: 6.4 GiB).
     """
     from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
     if kwargs.get("is_backward"):
-        return _compile_inner(gm, example_inputs, **kwargs)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
     with inductor_config.patch(allow_buffer_reuse=False, inplace_buffers=False):
-        return _compile_inner(gm, example_inputs, **kwargs)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 class CompiledProgram:
@@ -156,8 +152,8 @@ class CompiledProgram:
         from torch._inductor.compile_fx import compile_fx
         patches = {"custom_partitioner_fn": _partitioner_class()(self.recompute, self.offload, self.partitions,
                                                                  self._grad_index(graph))}
-        return compile_fx(graph, example_inputs, config_patches=patches,
-                          inner_compile=_forward_without_buffer_reuse if self.offload else _compile_inner)
+        inner = {"inner_compile": _forward_without_buffer_reuse} if self.offload else {}
+        return compile_fx(graph, example_inputs, config_patches=patches, **inner)
 
     def __call__(self, *args):
         # Without duck shaping, a prefix as long as the chunk does not get the chunk's

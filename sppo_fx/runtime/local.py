@@ -26,7 +26,7 @@ import torch
 
 from sppo_fx.codegen import CompiledProgram, compile_chunk_program
 from sppo_fx.errors import SppoError
-from sppo_fx.ops.offload import active_memory
+from sppo_fx.ops.offload import MatmulGrad, active_memory
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
@@ -326,7 +326,6 @@ class StageRunner:
         """Add a parameter gradient from a backward graph (`sppo.accumulate_grad`, or
         `sppo.accumulate_grad_mm` with a `MatmulGrad`) to the parameter's leaf, as
         autograd's AccumulateGrad would."""
-        from sppo_fx.ops.offload import MatmulGrad
         leaf = self.params[index]
         if isinstance(grad, MatmulGrad):
             if leaf.grad is not None:

@@ -31,6 +31,8 @@ import collections
 
 import torch
 
+from sppo_fx.ops.offload import MatmulGrad
+
 
 class CopyWindow:
     """Bytes of offload copies allowed in flight, shared by the chunks of one executor.
@@ -179,7 +181,6 @@ class ChunkMemory:
         self.grad_sink(index, grad)
 
     def accumulate_grad_mm(self, a: torch.Tensor, b: torch.Tensor, index: int) -> None:
-        from sppo_fx.ops.offload import MatmulGrad
         self.accumulate_grad(MatmulGrad(a, b), index)
 
     # ---- the K/V skeleton (sppo_fx.ops.skeleton) --------------------------------------

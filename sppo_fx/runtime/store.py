@@ -431,8 +431,7 @@ class _Core:
                 self.read_buffers.append(best)
             # made under the lock: from here on the use count says "taken"
             out = torch.empty(0, dtype=rec.dtype, device="cpu")
-            stride = rec.stride if rec.stride is not None else torch.empty(rec.shape, device="meta").stride()
-            return out.set_(best, 0, rec.shape, stride)
+            return out.set_(best, 0, rec.shape, rec.stride if rec.stride is not None else ())  # (): contiguous
 
     def trim_read_buffers(self) -> None:
         with self.lock:
