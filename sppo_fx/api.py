@@ -207,8 +207,12 @@ class SppoCompiled:
         profile = self.profile or calibrate(device, seconds=1.0, dir=o.offload_dir)
         self.profile = profile
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
-        # the skeleton can only leave the device for a tier
+        # the skeleton can only leave the device for a tier; streaming does not skip a
+        # sliding window's expired K/V yet (passes/skeleton.py refuses windows)
+        windowed = any(site.window is not None for site in entry.program.attention)
         skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
+        if windowed and o.skeleton == "auto":
+            skeletons = ("keep",)
         chosen = solve(entry.cost, [entry.memory[r] for r in policies], seq_len, o.budget,
                        rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half, skeletons=skeletons,
                        copies_share_compute=device == "cpu",

@@ -14,7 +14,12 @@ k, v [b, h_kv, c, d]; query row i sees keys 0..p+i (lower-right aligned, as
   inputs (the prefix is a view of the runtime's K/V buffer): no concatenation, no mask,
   no K/V heads repeated for grouped-query attention.
 
-Never a T x T mask.
+Never a T x T mask, except for sliding-window sites (below).
+
+Sliding windows (`window=W`: query position t sees keys t-W+1..t, as HF's `sliding_window`)
+keep only the last W-1 positions of the prefix and run SDPA with a band mask of
+[c, min(p, W-1) + c] over them: exact, with work and reads bounded by W, not by the
+prefix. (No fused kernel for this yet, on either device.)
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ class _PrefixAttentionCPU(torch.autograd.Function):
         return dq, dk_prefix, dk, dv_prefix, dv, None
 
 
-def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=False):
+def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=False, window=None):
     """Lower-right causal attention of a chunk over its K/V prefix and its own K/V.
 
     Args:
@@ -63,10 +68,14 @@ def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=
         k, v: [b, h_kv, c, d] the chunk's own keys/values.
         scale: softmax scale (default 1/sqrt(d)).
         enable_gqa: allow h_kv < h (grouped-query attention).
+        window: sliding window W (each query sees its W most recent keys, itself included),
+            or None for plain causal attention.
 
     Returns:
         [b, h, c, d] attention output.
     """
+    if window is not None:
+        return _windowed_prefix_attention(q, k_prefix, k, v_prefix, v, scale, enable_gqa, window)
     if q.device.type != "cpu" and _triton_ready():
         from sppo_fx.ops.chunk_attention import chunk_attention_opaque
         return chunk_attention_opaque(q, torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2), scale=scale)
@@ -92,4 +101,38 @@ def chunk_causal_attention(q, k, v, scale=None, enable_gqa=False):
     if prefix == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     mask = torch.ones(c, kv_len, dtype=torch.bool, device=q.device).tril(prefix)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _band_mask(rows: int, keys: int, offset, window: int, device) -> torch.Tensor:
+    """[rows, keys] bool: row r (absolute position offset + r) sees key m (absolute m) iff
+    0 <= offset + r - m < window."""
+    dist = (torch.arange(rows, device=device) + offset).unsqueeze(-1) - torch.arange(keys, device=device)
+    return (dist >= 0) & (dist < window)
+
+
+def _windowed_prefix_attention(q, k_prefix, k, v_prefix, v, scale, enable_gqa, window):
+    p, c = k_prefix.shape[-2], q.shape[-2]
+    keep = torch.sym_min(p, window - 1) if window > 1 else 0
+    k_all = torch.cat([k_prefix[..., p - keep:, :], k], -2)
+    v_all = torch.cat([v_prefix[..., p - keep:, :], v], -2)
+    mask = _band_mask(c, keep + c, keep, window, q.device)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def windowed_causal_attention(q, k, v, window, scale=None, enable_gqa=False):
+    """Causal attention where each query sees its `window` most recent keys (itself
+    included): what `passes.causal_mask` turns a proven sliding-window SDPA into, in the
+    captured graph (the chunk pass then makes it `prefix_causal_attention(..., window=W)`).
+
+    Args:
+        q: [b, h, T, d]; k, v: [b, h_kv, T, d].
+        window: W >= 1.
+        scale, enable_gqa: as for SDPA.
+
+    Returns:
+        [b, h, T, d].
+    """
+    t = q.shape[-2]
+    mask = _band_mask(t, t, 0, window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

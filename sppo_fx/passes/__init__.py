@@ -2,7 +2,7 @@
 
     captured graph
       -> strip_asserts            drop export's metadata asserts, dead code
-      -> recognize_causal_masks   SDPA(mask built from positions) -> SDPA(is_causal=True)
+      -> recognize_causal_masks   SDPA(mask built from positions) -> causal / sliding-window attention
       -> analyse_seqdims          classify every value along the sequence (node.meta["sppo_seq"])
       -> chunk_program            prologue / per-chunk program / epilogue
 
@@ -52,7 +52,7 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
     steps = [
         ("strip_asserts", lambda g: strip_asserts(g)),
         ("recognize_causal_masks",
-         lambda g: recognize_causal_masks(g, captured.seq, params, captured.param_value)),
+         lambda g: recognize_causal_masks(g, captured.seq, params)),
         ("analyse_seqdims", lambda g: analyse_seqdims(g, captured)),
     ]
     for name, step in steps:

@@ -1,4 +1,4 @@
-"""Causal-mask recognition: SDPA with a mask built from positions -> SDPA(is_causal=True).
+"""Causal-mask recognition: SDPA with a mask built from positions -> causal attention.
 
 Hugging Face models build their causal mask from positions instead of passing
 `is_causal=True`:
@@ -9,38 +9,26 @@ Hugging Face models build their causal mask from positions instead of passing
     q, k, v ───────────────────────────── scaled_dot_product_attention(q, k, v, mask)
 
 This pass finds every SDPA whose `attn_mask` is computed from positions only (no user
-input, no data), evaluates that small subgraph at two probe lengths (never at the real T,
-so no T x T mask is materialised at run time), and if it equals the lower-triangular causal
-mask, rewrites the call to
+input, no data) and proves, symbolically and for every sequence length
+(`passes/mask_proof.py`), what the mask is:
 
-    scaled_dot_product_attention(q, k, v, None, 0.0, True)      # is_causal=True
+    causal                  -> scaled_dot_product_attention(q, k, v, None, 0.0, True)
+    sliding window of W     -> windowed_causal_attention(q, k, v, W)      (attention.py)
 
 after which the mask subgraph is dead and removed. A mask that depends on user inputs
-(e.g. a padding `attention_mask`) or that is not causal raises `SppoError`.
+(e.g. a padding `attention_mask`), or that cannot be proven to be one of these, raises
+`SppoError`: an unproven mask is never taken for causal (docs/architecture.md, "Semantics").
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import sympy
 import torch
 import torch.fx as fx
 
+from sppo_fx.attention import windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
+from sppo_fx.passes.mask_proof import Unproven, prove_mask
 from sppo_fx.passes.seqdim import SDPA, _is_size_node
-
-PROBE_LENGTHS = (3, 8)
-
-
-def concrete_shape(val: torch.Tensor, seq: sympy.Symbol, length: int) -> list[int]:
-    """The shape of a traced tensor with the sequence symbol set to `length`."""
-    out = []
-    for s in val.shape:
-        if isinstance(s, torch.SymInt):
-            out.append(int(s.node.expr.subs(seq, length)))
-        else:
-            out.append(int(s))
-    return out
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node]:
@@ -54,44 +42,17 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def _evaluate(nodes: list[fx.Node], target: fx.Node, seq, length, param_value: Callable):
-    env = {}
-    for n in nodes:
-        if n.op == "placeholder":
-            val = n.meta["val"]
-            pv = param_value(n.name)
-            env[n] = pv if pv is not None else torch.zeros(concrete_shape(val, seq, length), dtype=val.dtype)
-            continue
-        args = torch.fx.node.map_arg(n.args, lambda a: env[a])
-        kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: env[a])
-        env[n] = n.target(*args, **kwargs)
-    return env[target]
-
-
-def _is_causal_mask(mask: torch.Tensor, length: int) -> bool:
-    if mask.shape[-2:] != (length, length):
-        return False
-    tril = torch.ones(length, length, dtype=torch.bool).tril().expand(mask.shape)
-    if mask.dtype == torch.bool:
-        return bool((mask == tril).all())
-    allowed = mask == 0
-    blocked = mask <= -1e4  # additive masks use -inf or finfo.min
-    return bool((allowed == tril).all() and (blocked == ~tril).all())
-
-
-def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: set[str],
-                           param_value: Callable[[str], torch.Tensor | None]) -> fx.GraphModule:
-    """Rewrite SDPA calls whose mask is a position-built causal mask to is_causal=True.
+def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: set[str]) -> fx.GraphModule:
+    """Rewrite SDPA calls whose mask is a position-built causal (or sliding-window) mask.
 
     Args:
         gm: the captured graph; modified in place and returned.
         seq: the sympy symbol of the sequence length.
         param_names: placeholders holding parameters, buffers or constants.
-        param_value: returns the tensor of a parameter placeholder (None for user inputs).
 
     Returns:
         `gm`, with recognised masks removed. Raises `SppoError` for a mask that depends on
-        user inputs or is not causal.
+        user inputs or is not provably causal.
     """
     changed = False
     for node in list(gm.graph.nodes):
@@ -109,17 +70,31 @@ def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: s
                 f"'{user_inputs[0].name}'. sppo_fx recognises causal masks built from positions "
                 "only; call the model without an attention mask (attention_mask=None) and "
                 "without packed position ids")
-        for length in PROBE_LENGTHS:
-            value = _evaluate(nodes, mask, seq, length, param_value)
-            if not isinstance(value, torch.Tensor) or not _is_causal_mask(value, length):
-                raise SppoError(
-                    f"{describe_node(node)}: its attention mask is not the causal mask (checked at "
-                    f"sequence length {length}). sppo_fx supports causal attention only")
+        try:
+            kind = prove_mask(nodes, mask, seq)
+        except Unproven as e:
+            raise SppoError(
+                f"{describe_node(node)}: its attention mask is not the causal mask or a sliding window "
+                f"(not provable: {e}). sppo_fx supports causal attention, optionally with a sliding "
+                "window, and refuses any mask it cannot prove to be one") from None
         args = list(node.args) + [None] * (6 - len(node.args))
-        args[3], args[4], args[5] = None, args[4] if args[4] is not None else 0.0, True
+        dropout = args[4] if args[4] is not None else node.kwargs.get("dropout_p", 0.0)
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "dropout_p", "is_causal")}
-        node.args, node.kwargs = tuple(args[:6]), kwargs
+        if kind.window is None:
+            node.args, node.kwargs = (args[0], args[1], args[2], None, dropout, True), kwargs
+        else:
+            if dropout:
+                raise SppoError(f"{describe_node(node)}: sliding-window attention with dropout is not "
+                                "supported; set the attention dropout to 0")
+            with gm.graph.inserting_after(node):
+                windowed = gm.graph.call_function(windowed_causal_attention, tuple(args[:3]),
+                                                  {**kwargs, "window": kind.window})
+            windowed.meta.update(node.meta)
+            node.replace_all_uses_with(windowed)
+            gm.graph.erase_node(node)
+            node = windowed
         node.meta["sppo_causal_mask"] = mask.name
+        node.meta["sppo_attention_window"] = kind.window
         changed = True
     if changed:
         gm.graph.eliminate_dead_code()

@@ -52,6 +52,7 @@ class AttentionSite:
         source: the user's source line.
         k_shape / v_shape: shapes of K and V with the sequence dim (-2) set to 0.
         dtype: K/V dtype.
+        window: sliding window W (a query sees its W most recent keys), None if unbounded.
     """
 
     name: str
@@ -59,6 +60,7 @@ class AttentionSite:
     k_shape: tuple
     v_shape: tuple
     dtype: torch.dtype
+    window: int | None = None
 
 
 @dataclasses.dataclass
@@ -391,12 +393,13 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
             # fused QKV buffer, which would keep the whole buffer alive)
             k = cb.graph.call_function(aten.contiguous.default, (k,))
             v = cb.graph.call_function(aten.contiguous.default, (v,))
-            kwargs = {key: n.kwargs[key] for key in ("scale", "enable_gqa") if key in n.kwargs}
+            kwargs = {key: n.kwargs[key] for key in ("scale", "enable_gqa", "window") if key in n.kwargs}
             out = cb.graph.call_function(prefix_causal_attention, (q, kp, k, vp, v), kwargs)
             cb.env[n] = _copy_meta(out, n)
             kv_out += [k, v]
             attention.append(AttentionSite(n.name, source_line(n), _prefix_shape(n.args[1], seq),
-                                           _prefix_shape(n.args[2], seq), n.args[1].meta["val"].dtype))
+                                           _prefix_shape(n.args[2], seq), n.args[1].meta["val"].dtype,
+                                           n.kwargs.get("window")))
         elif r == "reduction":
             op, parts = _reduction_partials(cb, n)
             partials += parts

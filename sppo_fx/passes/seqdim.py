@@ -36,6 +36,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from sppo_fx.attention import windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.markers import SPLIT_POINT
 
@@ -234,7 +235,7 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
         return "concatenates along the sequence dimension"
     if target in _FACTORIES:
         return None  # sources: classified by `kind`, rewritten by the chunk pass
-    if target is SDPA:
+    if target is SDPA or target is windowed_causal_attention:
         return "attention"
     if target in _FULL_REDUCTIONS or target in _LOSSES:
         if target in _LOSSES and loss_reduction(node) == 0:
@@ -333,6 +334,9 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
             continue
         if kind == INPUT:
             info.role = "prologue"
+            continue
+        if node.target is windowed_causal_attention:  # proven by passes.causal_mask
+            info.role = "attention"
             continue
         if node.target is SDPA:
             if is_causal_sdpa(node) and (len(node.args) <= 4 or node.args[4] == 0.0):

@@ -45,6 +45,9 @@ def stream_kv_skeleton(chunk: fx.GraphModule, num_sites: int) -> fx.GraphModule:
     first_kv = len(outputs) - 2 * num_sites
     for s, node in enumerate(sites):
         q, kp, k, vp, v = node.args
+        if node.kwargs.get("window") is not None:
+            raise SppoError(f"skeleton='offload' does not support sliding-window attention yet (attention "
+                            f"site {s} has a window of {node.kwargs['window']} tokens): use skeleton='keep'")
         for prefix in (kp, vp):
             if prefix.op != "placeholder" or len(prefix.users) != 1:
                 raise SppoError(f"stream_kv_skeleton: the K/V prefix {prefix.name} of attention site {s} is "

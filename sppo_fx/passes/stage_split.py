@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from sppo_fx.errors import SppoError
 from sppo_fx.markers import SPLIT_POINT
+from sppo_fx.attention import windowed_causal_attention
 from sppo_fx.passes.seqdim import DATA, SDPA
 
 aten = torch.ops.aten
@@ -80,11 +81,13 @@ def node_flops(node: fx.Node, seq: sympy.Symbol, length: int = _REFERENCE_LEN) -
         k = a.meta["val"].shape[-1]
         k = float(k.node.expr.subs(seq, length)) if isinstance(k, torch.SymInt) else int(k)
         return 2.0 * out * k
-    if node.target is SDPA:
+    if node.target is SDPA or node.target is windowed_causal_attention:
         q = node.args[0].meta["val"]
         t = _numel(q, seq, length) / (q.shape[-1] if isinstance(q.shape[-1], int) else 1)
-        return 2.0 * out * float(q.shape[-2].node.expr.subs(seq, length)) if isinstance(
-            q.shape[-2], torch.SymInt) else 4.0 * t
+        if not isinstance(q.shape[-2], torch.SymInt):
+            return 4.0 * t
+        keys = float(q.shape[-2].node.expr.subs(seq, length))
+        return 2.0 * out * min(keys, node.kwargs.get("window") or keys)
     return out
 
 

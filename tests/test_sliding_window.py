@@ -1,0 +1,192 @@
+"""Sliding-window attention: masks proven (never taken for causal), windows chunked exactly.
+
+The regression behind this file: a window wider than the old probe lengths (3 and 8)
+looked causal, and HF Mistral trained with a silently wrong loss and gradients.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sppo_fx
+from sppo_fx.attention import prefix_causal_attention, windowed_causal_attention
+from sppo_fx.errors import SppoError
+from sppo_fx.passes import recognize_causal_masks
+
+from conftest import assert_matches_eager
+
+aten = torch.ops.aten
+transformers = pytest.importorskip("transformers", reason="the HF families need transformers")
+
+
+# ---------------------------------------------------------------- the prover, on hand-built graphs
+
+def _mask_graph(hand, build_mask):
+    """SDPA(q, q, q, mask) where mask = build_mask(hand, rows [T, 1], cols [1, T])."""
+    ids = hand.input("ids", (1, hand.T), torch.int64)
+    h = hand.call(aten.embedding.default, hand.param("w", (7, 8)), ids)
+    t = hand.size(ids, 1)
+    q = hand.call(aten.transpose.int, hand.call(aten.view.default, h, [1, t, 2, 4]), 1, 2)
+    rows = hand.call(aten.unsqueeze.default, hand.call(aten.arange.default, t), -1)
+    cols = hand.call(aten.unsqueeze.default, hand.call(aten.arange.default, t), 0)
+    a = hand.call(aten.scaled_dot_product_attention.default, q, q, q, build_mask(hand, rows, cols, t))
+    return hand.output(hand.call(aten.sum.default, a))
+
+
+def _window_mask(width):
+    def build(hand, rows, cols, t):  # HF's form: kv_idx > q_idx - W, and kv_idx <= q_idx
+        recent = hand.call(aten.gt.Tensor, cols, hand.call(aten.sub.Tensor, rows, width))
+        return hand.call(aten.__and__.Tensor, recent, hand.call(aten.le.Tensor, cols, rows))
+    return build
+
+
+def _attention(gm):
+    return next(n for n in gm.graph.nodes if n.target in (aten.scaled_dot_product_attention.default,
+                                                           windowed_causal_attention))
+
+
+@pytest.mark.parametrize("width", [1, 2, 16, 4096])
+def test_window_wider_than_any_probe_is_a_window_not_causal(hand, width):
+    gm = recognize_causal_masks(_mask_graph(hand, _window_mask(width)), hand.seq, set(hand.params))
+    node = _attention(gm)
+    assert node.target is windowed_causal_attention and node.kwargs["window"] == width
+    assert aten.gt.Tensor not in {n.target for n in gm.graph.nodes}
+
+
+def test_additive_window_mask_is_a_window(hand):
+    def build(hand, rows, cols, t):
+        visible = _window_mask(5)(hand, rows, cols, t)
+        return hand.call(aten.where.self, visible, hand.call(aten.scalar_tensor.default, 0.0),
+                         hand.call(aten.scalar_tensor.default, float("-inf")))
+    gm = recognize_causal_masks(_mask_graph(hand, build), hand.seq, set(hand.params))
+    assert _attention(gm).kwargs["window"] == 5
+
+
+def test_plain_causal_mask_stays_sdpa_is_causal(hand):
+    gm = recognize_causal_masks(_mask_graph(hand, lambda h, r, c, t: h.call(aten.le.Tensor, c, r)),
+                                hand.seq, set(hand.params))
+    node = _attention(gm)
+    assert node.target is aten.scaled_dot_product_attention.default and node.args[5] is True
+
+
+def _refused(hand, build):
+    with pytest.raises(SppoError, match="not the causal mask or a sliding window"):
+        recognize_causal_masks(_mask_graph(hand, build), hand.seq, set(hand.params))
+
+
+@pytest.mark.parametrize("name,build", [
+    ("no diagonal", lambda h, r, c, t: h.call(aten.lt.Tensor, c, r)),
+    ("anti-causal", lambda h, r, c, t: h.call(aten.ge.Tensor, c, r)),
+    ("holes", lambda h, r, c, t: h.call(aten.ne.Tensor, c, r)),
+    ("first keys only", lambda h, r, c, t: h.call(aten.__and__.Tensor, h.call(aten.le.Tensor, c, r),
+                                                  h.call(aten.lt.Scalar, c, 5))),
+    ("depends on T", lambda h, r, c, t: h.call(aten.__and__.Tensor, h.call(aten.le.Tensor, c, r),
+                                               h.call(aten.gt.Tensor, c, h.call(aten.sub.Tensor, r, t)))),
+    ("a disjunction", lambda h, r, c, t: h.call(aten.__or__.Tensor, h.call(aten.le.Tensor, c, r),
+                                                h.call(aten.eq.Scalar, c, 0))),
+    ("offset window", lambda h, r, c, t: h.call(aten.__and__.Tensor, h.call(aten.le.Tensor, c, r),
+                                                h.call(aten.lt.Tensor, h.call(aten.add.Tensor, c, 1),
+                                                       h.call(aten.sub.Tensor, r, 2)))),
+])
+def test_almost_causal_masks_are_refused(hand, name, build):
+    _refused(hand, build)
+
+
+def test_additive_mask_with_other_values_is_refused(hand):
+    def build(hand, rows, cols, t):
+        return hand.call(aten.where.self, hand.call(aten.le.Tensor, cols, rows),
+                         hand.call(aten.scalar_tensor.default, 0.0), hand.call(aten.scalar_tensor.default, -1.0))
+    _refused(hand, build)
+
+
+# ---------------------------------------------------------------- the chunk attention op
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+@pytest.mark.parametrize("prefix,chunk", [(0, 6), (5, 6), (20, 6), (20, 11)])
+def test_windowed_prefix_attention_equals_the_windowed_rows_of_the_full_attention(window, prefix, chunk):
+    b, h, hkv, d = 2, 4, 2, 8
+    q = torch.randn(b, h, prefix + chunk, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, prefix + chunk, d, dtype=torch.float64) for _ in range(2))
+    full = windowed_causal_attention(q, k, v, window, enable_gqa=True)[..., prefix:, :]
+    out = prefix_causal_attention(q[..., prefix:, :], k[..., :prefix, :], k[..., prefix:, :],
+                                  v[..., :prefix, :], v[..., prefix:, :], enable_gqa=True, window=window)
+    torch.testing.assert_close(out, full)
+    # and the window is not a no-op here: plain causal attention differs once keys fall out
+    if prefix + chunk > window:
+        causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert not torch.allclose(full, causal[..., prefix:, :])
+
+
+# ---------------------------------------------------------------- Hugging Face families with windows
+
+def _family(name, window, layers=2):
+    common = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    if name == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=window, **common))
+    if name == "qwen2":
+        cfg = transformers.Qwen2Config(use_sliding_window=True, sliding_window=window, max_window_layers=0,
+                                       layer_types=["sliding_attention"] * layers, **common)
+        return transformers.Qwen2ForCausalLM(cfg)
+    if name == "gemma2":
+        cfg = transformers.Gemma2Config(sliding_window=window, attn_logit_softcapping=None,
+                                        final_logit_softcapping=None, **common)
+        return transformers.Gemma2ForCausalLM(cfg)
+    if name == "gemma3":
+        cfg = transformers.Gemma3TextConfig(sliding_window=window, sliding_window_pattern=2,
+                                            layer_types=["sliding_attention", "full_attention"][:layers], **common)
+        return transformers.Gemma3ForCausalLM(cfg)
+    raise ValueError(name)
+
+
+def _has_window(model) -> bool:
+    cfg = model.config
+    return any(t == "sliding_attention" for t in (getattr(cfg, "layer_types", None) or [])) or \
+        (cfg.model_type == "mistral" and cfg.sliding_window is not None)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_every_windowed_family_matches_eager_or_raises(family, impl):
+    """T = 48 > window = 12: a window taken for causal would differ from eager."""
+    model = _family(family, window=12)
+    model.config._attn_implementation = impl
+    assert _has_window(model), f"{family}: the config has no sliding window; the test would prove nothing"
+    ids = torch.randint(0, 101, (1, 48))
+    compiled = sppo_fx.compile(model, chunks=4, compile=False)
+    try:
+        compiled(input_ids=ids, labels=ids)
+    except SppoError as e:
+        assert "sppo_fx" in str(e)  # a clear refusal is allowed; a wrong loss is not
+        return
+    model.zero_grad(set_to_none=True)
+    assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
+                         lambda: compiled(input_ids=ids, labels=ids))
+
+
+@pytest.mark.parametrize("lengths", [[8, 8, 8, 8, 8, 8], [16, 16, 16], [30, 18], [5, 20, 3, 20]])
+def test_mistral_window_exact_for_chunks_shorter_equal_and_longer_than_the_window(lengths):
+    model = _family("mistral", window=16)
+    ids = torch.randint(0, 101, (2, sum(lengths)))
+    compiled = sppo_fx.compile(model, chunk_lengths=lengths, compile=False)
+    assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
+                         lambda: compiled(input_ids=ids, labels=ids))
+    assert [s.window for s in compiled.program.attention] == [16, 16]
+
+
+def test_mistral_window_compiled_by_inductor():
+    model = _family("mistral", window=10, layers=1)
+    ids = torch.randint(0, 101, (1, 40))
+    compiled = sppo_fx.compile(model, chunks=4)
+    assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
+                         lambda: compiled(input_ids=ids, labels=ids))
+    assert "window" in compiled.graphs["chunk"].code
+
+
+def test_windowed_sites_refuse_the_streamed_skeleton_before_any_step():
+    model = _family("mistral", window=8, layers=1)
+    ids = torch.randint(0, 101, (1, 32))
+    compiled = sppo_fx.compile(model, chunks=4, offload="disk", skeleton="offload", compile=False)
+    with pytest.raises(SppoError, match="sliding-window"):
+        compiled(input_ids=ids, labels=ids)
+    assert all(p.grad is None for p in model.parameters())
