@@ -190,3 +190,26 @@ def test_windowed_sites_refuse_the_streamed_skeleton_before_any_step():
     with pytest.raises(SppoError, match="sliding-window"):
         compiled(input_ids=ids, labels=ids)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_window_prefix_and_its_gradients_stay_within_the_window(monkeypatch):
+    """Each chunk reads (and sends gradients to) only the last W-1 earlier positions."""
+    from sppo_fx.runtime.local import StageRunner
+    prefixes, grads = [], []
+    prefix_of = StageRunner._prefix
+
+    def recording_prefix(self, mb, i):
+        out = prefix_of(self, mb, i)
+        prefixes.append([t.shape[-2] for t in out])
+        for t in out:
+            t.register_hook(lambda g: grads.append(g.shape[-2]) or g)
+        return out
+
+    monkeypatch.setattr(StageRunner, "_prefix", recording_prefix)
+    model = _family("mistral", window=8, layers=1)
+    ids = torch.randint(0, 101, (1, 48))
+    compiled = sppo_fx.compile(model, chunks=8, compile=False)  # chunks of 6 tokens
+    assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
+                         lambda: compiled(input_ids=ids, labels=ids))
+    assert prefixes == [[0, 0]] + [[min(6 * i, 7)] * 2 for i in range(1, 8)]
+    assert grads and max(grads) <= 7

@@ -198,7 +198,15 @@ class StageRunner:
                     full[-2] = self.plan.seq_len
                     mb.kv_buffers.append(torch.empty(full, dtype=site.dtype, device=device))
         start = self.plan.starts[i]
-        return [buf[..., :start, :].data.requires_grad_(self.needs_grad) for buf in mb.kv_buffers]
+        return [buf[..., lo:start, :].data.requires_grad_(self.needs_grad)
+                for buf, lo in zip(mb.kv_buffers, self._prefix_starts(start))]
+
+    def _prefix_starts(self, start: int) -> list[int]:
+        """Per K/V buffer (K then V per site): the first position a chunk starting at
+        `start` reads. A sliding window of W reads only the last W-1 positions, so its
+        prefix, and the gradient split over earlier chunks, stay bounded by W."""
+        return [0 if site.window is None else max(0, start - (site.window - 1))
+                for site in self.program.attention for _ in range(2)]
 
     def forward(self, mb: int, i: int, recvs: list[torch.Tensor] = ()) -> list[torch.Tensor]:
         """Forward of chunk `i` of micro-batch `mb`; returns the activations to send (detached)."""
@@ -302,12 +310,17 @@ class StageRunner:
             # as it is computed: one copy of the gradients, as eager autograd keeps
             with active_memory(st.memory):
                 torch.autograd.backward(outs, grads, inputs=leaves + prefix + recvs)
-            lengths = self.plan.chunk_lengths[:i]
-            for j, t in enumerate(prefix):
+            bounds = self.plan.bounds()[:i]
+            for j, (t, lo) in enumerate(zip(prefix, self._prefix_starts(bounds[-1][1] if bounds else 0))):
                 gp, t.grad = t.grad, None
                 if gp is None:
                     continue
-                for c, part in enumerate(gp.split(lengths, dim=-2)):
+                for c, (s, e) in enumerate(bounds):  # the prefix covers positions lo..start-1
+                    if e <= lo:
+                        continue
+                    part = gp[..., max(s, lo) - lo:e - lo, :]
+                    if s < lo:  # the window starts inside chunk c: its earlier rows get nothing
+                        part = torch.nn.functional.pad(part, (0, 0, lo - s, 0))
                     acc = m.kv_grads.setdefault(c, [None] * len(st.kv))
                     acc[j] = part if acc[j] is None else acc[j] + part
             recv_grads = [r.grad if r.requires_grad else None for r in st.recvs]
