@@ -109,6 +109,7 @@ _EXTRA_POINTWISE = {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where
                     aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
                     aten.__or__.Tensor, aten.__and__.Tensor, aten.__xor__.Tensor}
 _FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default}
+_NEW_FACTORIES = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default}
 _INT_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
 
 
@@ -160,6 +161,11 @@ class MaskEvaluator:
                 and val.numel() == 1 and t in (aten.zeros.default, aten.ones.default, aten.full.default,
                                                aten.scalar_tensor.default):
             return Const(t(*node.args, **node.kwargs))
+        if t in _NEW_FACTORIES and isinstance(val, torch.Tensor) and val.numel() == 1 \
+                and not any(isinstance(s, torch.SymInt) for s in val.shape):
+            fill = {aten.new_ones.default: 1, aten.new_zeros.default: 0}.get(t)
+            fill = node.args[2] if fill is None else fill
+            return Const(torch.full(tuple(val.shape), fill, dtype=val.dtype))
         if t in _FACTORIES and isinstance(val, torch.Tensor):
             return self._constant_band(node)
         if t in (aten.arange.default, aten.arange.start, aten.arange.start_step):
