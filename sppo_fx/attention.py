@@ -59,6 +59,17 @@ class _PrefixAttentionCPU(torch.autograd.Function):
         return dq, dk_prefix, dk, dv_prefix, dv, None
 
 
+def _autocast_like_sdpa(*tensors):
+    """Under autocast, the inputs cast as autocast casts SDPA's (the op this one replaces is
+    on its lower-precision list): the kernels below are not autocast ops themselves, and a
+    model whose q/k leave RoPE in float32 while v is bfloat16 would pass them mixed dtypes."""
+    dev = tensors[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return tensors
+    dtype = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
 def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=False, window=None):
     """Lower-right causal attention of a chunk over its K/V prefix and its own K/V.
 
@@ -74,6 +85,7 @@ def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=
     Returns:
         [b, h, c, d] attention output.
     """
+    q, k_prefix, k, v_prefix, v = _autocast_like_sdpa(q, k_prefix, k, v_prefix, v)
     if window is not None:
         return _windowed_prefix_attention(q, k_prefix, k, v_prefix, v, scale, enable_gqa, window)
     if q.device.type != "cpu" and _triton_ready():

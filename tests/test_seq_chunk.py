@@ -124,7 +124,7 @@ def _masked_attention(hand, causal):
 
 def test_position_built_causal_mask_is_recognised(hand):
     gm = _masked_attention(hand, causal=True)
-    recognize_causal_masks(gm, hand.seq, set(hand.params))
+    recognize_causal_masks(gm, hand.seq, set(hand.params), lambda name: None)
     sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
     assert sdpa.args[3] is None and sdpa.args[5] is True
     assert aten.le.Tensor not in _targets(gm)  # the T x T mask subgraph is gone
@@ -133,4 +133,4 @@ def test_position_built_causal_mask_is_recognised(hand):
 def test_non_causal_position_mask_is_refused(hand):
     gm = _masked_attention(hand, causal=False)
     with pytest.raises(SppoError, match="not the causal mask"):
-        recognize_causal_masks(gm, hand.seq, set(hand.params))
+        recognize_causal_masks(gm, hand.seq, set(hand.params), lambda name: None)

@@ -3,6 +3,8 @@
     captured graph
       -> strip_asserts            drop export's metadata asserts, dead code
       -> recognize_causal_masks   SDPA(mask built from positions) -> causal / sliding-window attention
+      -> recognize_explicit_attention  softmax(masked q@kᵀ·s) @ v, mask proved causal
+                                  -> SDPA(is_causal=True, scale=s)
       -> analyse_seqdims          classify every value along the sequence (node.meta["sppo_seq"])
       -> chunk_program            prologue / per-chunk program / epilogue
 
@@ -26,6 +28,7 @@ import torch.fx as fx
 
 from sppo_fx.capture import Captured, strip_asserts
 from sppo_fx.passes.causal_mask import recognize_causal_masks
+from sppo_fx.passes.explicit_attention import recognize_explicit_attention
 from sppo_fx.passes.seq_chunk import ChunkedProgram, chunk_program
 from sppo_fx.passes.seqdim import analyse, format_analysis
 
@@ -52,7 +55,9 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
     steps = [
         ("strip_asserts", lambda g: strip_asserts(g)),
         ("recognize_causal_masks",
-         lambda g: recognize_causal_masks(g, captured.seq, params)),
+         lambda g: recognize_causal_masks(g, captured.seq, params, captured.param_value)),
+        ("recognize_explicit_attention",
+         lambda g: recognize_explicit_attention(g, captured.seq, captured.param_value)),
         ("analyse_seqdims", lambda g: analyse_seqdims(g, captured)),
     ]
     for name, step in steps:
@@ -69,7 +74,8 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
     return gm, program
 
 
-__all__ = ["transform", "transform_stages", "strip_asserts", "recognize_causal_masks", "analyse_seqdims", "chunk_program",
+__all__ = ["transform", "transform_stages", "strip_asserts", "recognize_causal_masks", "recognize_explicit_attention",
+           "analyse_seqdims", "chunk_program",
            "ChunkedProgram"]
 
 

@@ -21,14 +21,20 @@ after which the mask subgraph is dead and removed. A mask that depends on user i
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import sympy
 import torch
 import torch.fx as fx
 
 from sppo_fx.attention import windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
-from sppo_fx.passes.mask_proof import Unproven, prove_mask
+from sppo_fx.passes.mask_proof import Band, NotProvable, evaluate_mask, mask_kind
 from sppo_fx.passes.seqdim import SDPA, _is_size_node
+
+
+def _is_seq(size, seq) -> bool:
+    return isinstance(size, torch.SymInt) and sympy.simplify(size.node.expr - seq) == 0
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node]:
@@ -42,13 +48,16 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: set[str]) -> fx.GraphModule:
+def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: set[str],
+                           param_value: Callable[[str], torch.Tensor | None]) -> fx.GraphModule:
     """Rewrite SDPA calls whose mask is a position-built causal (or sliding-window) mask.
 
     Args:
         gm: the captured graph; modified in place and returned.
         seq: the sympy symbol of the sequence length.
         param_names: placeholders holding parameters, buffers or constants.
+        param_value: the tensor of a parameter/buffer/constant placeholder (None for user
+            inputs): a mask may be a registered buffer, e.g. a `tril` sliced to [:T, :T].
 
     Returns:
         `gm`, with recognised masks removed. Raises `SppoError` for a mask that depends on
@@ -71,8 +80,14 @@ def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: s
                 "only; call the model without an attention mask (attention_mask=None) and "
                 "without packed position ids")
         try:
-            kind = prove_mask(nodes, mask, seq)
-        except Unproven as e:
+            band = evaluate_mask(mask, seq, param_value)
+            shape = mask.meta["val"].shape
+            if not isinstance(band, Band) or len(shape) < 2 or not all(_is_seq(s, seq) for s in shape[-2:]):
+                raise NotProvable("it is not a sequence x sequence mask that depends on the query and key "
+                                  "positions")
+            dtype = mask.meta["val"].dtype
+            kind = mask_kind(band, "allowed" if dtype == torch.bool else "additive", dtype)
+        except NotProvable as e:
             raise SppoError(
                 f"{describe_node(node)}: its attention mask is not the causal mask or a sliding window "
                 f"(not provable: {e}). sppo_fx supports causal attention, optionally with a sliding "

@@ -264,6 +264,27 @@ def _rewrite_position(b: _Builder, node: fx.Node, start: fx.Node, length: fx.Nod
                     "sppo_fx can offset only position ranges that start at 0 and end at the sequence length")
 
 
+def _sliced_input(b: _Builder, placeholder: fx.Node, node: fx.Node, spec: Boundary):
+    """A chunk's slice of an input-derived value, contiguous where the slice is not.
+
+    The runtime hands the chunk program `value.narrow(seq_dim, start, c)`; with a dim of
+    size > 1 before the sequence dim (batch > 1) that slice is strided, while the whole
+    input was contiguous, so a `.view` the model applies to it (nanoGPT's
+    `targets.view(-1)`) would fail. A contiguous copy makes the slice behave like the
+    whole input for every op; for an already contiguous slice `contiguous` is free.
+    """
+    if spec.seq_dim is None:
+        return placeholder
+    val = node.meta["val"]
+    leading = 1
+    for s in val.shape[:spec.seq_dim]:
+        leading *= int(s) if not isinstance(s, torch.SymInt) else 2  # symbolic: assume > 1
+    if leading <= 1:
+        return placeholder
+    out = b.graph.call_function(aten.contiguous.default, (placeholder,))
+    return _copy_meta(out, node)
+
+
 def _reduction_partials(b: _Builder, node: fx.Node) -> tuple[str, list]:
     if node.target is aten.cross_entropy_loss.default:
         args = list(node.args) + [None] * (6 - len(node.args))
@@ -366,8 +387,8 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
     cb = _Builder(seq)
     for name in param_names:
         cb.env[by_name[name]] = cb.placeholder(name, by_name[name])
-    for a in boundaries:
-        cb.env[a] = cb.placeholder(f"chunk_{a.name}", a)
+    for a, spec in zip(boundaries, boundary_specs):
+        cb.env[a] = _sliced_input(cb, cb.placeholder(f"chunk_{a.name}", a), a, spec)
     recv_nodes = [by_name[name] for name in activations]
     for a in recv_nodes:
         cb.env[a] = cb.placeholder(a.name, a)

@@ -1,0 +1,303 @@
+"""Explicit causal attention -> SDPA(is_causal=True, scale=s).
+
+nanoGPT's non-flash path, minGPT and Hugging Face's "eager" attention write attention out:
+
+    scores = (q * s_q) @ (k * s_k).transpose(-2, -1) * s          scaling anywhere on the way
+    scores = masked_fill(scores, blocked, -inf)                   or  scores + additive_mask
+                                                                  or  where(allowed, scores, -inf)
+    probs  = softmax(scores [.float()], dim=-1 [, dtype=float32]) [.to(q.dtype)]
+    probs  = dropout(probs, p)                                    p == 0 or not training
+    out    = probs @ v
+
+This pass matches that chain from each softmax over the key dim and rewrites it to
+
+    scaled_dot_product_attention(q, k, v, None, 0.0, True, scale=s_q * s_k * s)
+    windowed_causal_attention(q, k, v, window=W, scale=...)      (a sliding window of W)
+
+only after `mask_proof` has shown that the mask blocks exactly the keys after the query
+(j - i >= 1), and for a window those at or before i - W, at every sequence length: `blocked` must evaluate to that Band, an additive
+mask to 0 / (-inf or at most finfo.min), `allowed` to its complement. The mask may come
+from a registered buffer that is lower-triangular over its whole extent sliced to
+`[:T, :T]`, from `arange` comparisons, from `triu`/`tril` of a filled tensor, ...
+
+Refused with an `SppoError` naming the op (no rewrite, nothing else changes):
+- a mask that is not provably causal or a sliding window (a padding mask from an input, a
+  bidirectional prefix, ...), or attention with no mask;
+- attention dropout with p > 0 in training mode: its random mask over the T x T
+  probabilities cannot be drawn per chunk in the order eager draws it;
+- logit soft-capping (`tanh` between the scores and the mask, as in Gemma 2);
+- probabilities or scores used by anything besides the chain (e.g. returned weights).
+A softmax that is not the head of such a chain is left alone (the sequence analysis then
+refuses it if it reduces over the sequence).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import sympy
+import torch
+import torch.fx as fx
+
+from sppo_fx.errors import SppoError, describe_node
+from sppo_fx.attention import windowed_causal_attention
+from sppo_fx.passes.mask_proof import CAST_OPS, Band, MaskKind, NotProvable, evaluate_mask, is_blocking_fill, mask_kind
+from sppo_fx.passes.seqdim import SDPA
+
+aten = torch.ops.aten
+
+_SOFTMAX = {aten.softmax.int, aten._softmax.default}
+_SCALE_MUL = {aten.mul.Tensor, aten.mul.Scalar}
+_SCALE_DIV = {aten.div.Tensor, aten.div.Scalar}
+_MASK_OPS = {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.add.Tensor, aten.where.self,
+             aten.where.ScalarOther}
+_WIDE = {torch.float32, torch.float64}
+
+
+@dataclasses.dataclass
+class _Chain:
+    softmax: fx.Node
+    out: fx.Node  # probs @ v
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: float
+    mask_op: fx.Node | None
+    nodes: list  # scores .. out, each used only by the next
+    dropout_issue: str | None
+
+
+def _is_seq(size, seq) -> bool:
+    return isinstance(size, torch.SymInt) and sympy.simplify(size.node.expr - seq) == 0
+
+
+def _number(arg):
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return float(arg)
+    return None
+
+
+def _strip_scale(node, scale: float, chain: list):
+    """Follow mul/div by Python numbers upwards; returns (node, accumulated scale)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and \
+            node.target in _SCALE_MUL | _SCALE_DIV:
+        a, b = node.args[0], node.args[1]
+        c = _number(b)
+        if c is None and node.target in _SCALE_MUL and _number(a) is not None:
+            a, c = b, _number(a)
+        if c is None or not isinstance(a, fx.Node):
+            break
+        scale = scale * c if node.target in _SCALE_MUL else scale / c
+        chain.append(node)
+        node = a
+    return node, scale
+
+
+def _strip_casts(node, chain: list, wide_only: bool):
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in CAST_OPS:
+        src, out = node.args[0].meta["val"].dtype, node.meta["val"].dtype
+        if wide_only and out != src and out not in _WIDE:
+            raise SppoError(f"{describe_node(node)}: the attention scores are cast to {out} before the "
+                            "softmax; sppo_fx recognises explicit attention with scores kept in their "
+                            "dtype or widened to float32")
+        chain.append(node)
+        node = node.args[0]
+    return node
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    nd = node.meta["val"].dim()
+    if node.target is aten.transpose.int:
+        return {node.args[1] % nd, node.args[2] % nd} == {nd - 2, nd - 1}
+    if node.target is aten.permute.default:
+        perm = [d % nd for d in node.args[1]]
+        return perm == list(range(nd - 2)) + [nd - 1, nd - 2]
+    return False
+
+
+def _match(softmax: fx.Node, seq) -> _Chain | None:
+    """The attention chain headed by `softmax`, or None if it is not one."""
+    x = softmax.args[0]
+    xv = x.meta["val"]
+    if xv.dim() < 3 or softmax.args[1] % xv.dim() != xv.dim() - 1 \
+            or not (_is_seq(xv.shape[-1], seq) and _is_seq(xv.shape[-2], seq)):
+        return None
+    # downwards: casts, dropout, then probs @ v
+    down, node, dropout_issue = [], softmax, None
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        if u.target in CAST_OPS:
+            pass
+        elif u.target is aten.dropout.default:
+            p, train = u.args[1], u.args[2] if len(u.args) > 2 else u.kwargs.get("train", True)
+            if p and train:
+                dropout_issue = (f"{describe_node(u)}: attention dropout (p={p}) in training mode draws a "
+                                 "random mask over the T x T probabilities, which sppo_fx cannot draw per "
+                                 "chunk as eager does; set the attention dropout to 0 or call model.eval()")
+        elif u.target is aten.matmul.default and u.args[0] is node:
+            down.append(u)
+            out = u
+            break
+        else:
+            return None
+        down.append(u)
+        node = u
+    # upwards: casts, mask, casts, (soft-capping), scale, casts, q @ kT
+    up: list[fx.Node] = []
+    s = _strip_casts(x, up, wide_only=True)
+    mask_op = None
+    if s.op == "call_function" and s.target in _MASK_OPS:
+        mask_op = s
+        up.append(s)
+        s = _scores_operand(s)
+        if s is None:
+            return None
+        s = _strip_casts(s, up, wide_only=True)
+    s, scale = _strip_scale(s, 1.0, up)
+    if s.op == "call_function" and s.target is aten.tanh.default:
+        raise SppoError(f"{describe_node(s)}: attention logit soft-capping (tanh of the scores, as in "
+                        "Gemma 2's attn_logit_softcapping) is not supported by sppo_fx's chunked attention; "
+                        "set the soft-capping to None to train this model with sppo_fx")
+    s = _strip_casts(s, up, wide_only=True)
+    if not (s.op == "call_function" and s.target is aten.matmul.default):
+        return None
+    scores = s
+    q, q_scale = _strip_scale(scores.args[0], 1.0, [])
+    kt, k_scale = _strip_scale(scores.args[1], 1.0, [])
+    if not (kt.op == "call_function" and _swaps_last_two(kt)):
+        return None
+    k, k_scale2 = _strip_scale(kt.args[0], 1.0, [])
+    v = out.args[1]
+    nodes = [scores] + list(reversed(up)) + [softmax] + down
+    return _Chain(softmax, out, q, k, v, scale * q_scale * k_scale * k_scale2, mask_op, nodes, dropout_issue)
+
+
+def _scores_operand(op: fx.Node) -> fx.Node | None:
+    """The operand of a mask op that carries the scores (the one computed by a matmul)."""
+    if op.target in (aten.where.self, aten.where.ScalarOther):
+        return op.args[1] if isinstance(op.args[1], fx.Node) else None
+    if op.target is aten.add.Tensor:
+        a, b = op.args[0], op.args[1]
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+            return None
+        return b if _has_matmul_ancestor(b) and not _has_matmul_ancestor(a) else a
+    return op.args[0]
+
+
+def _has_matmul_ancestor(node: fx.Node, limit: int = 12) -> bool:
+    seen, stack = set(), [(node, 0)]
+    while stack:
+        n, depth = stack.pop()
+        if n in seen or depth > limit:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target is aten.matmul.default:
+            return True
+        stack.extend((a, depth + 1) for a in n.all_input_nodes)
+    return False
+
+
+def _mask_operand(op: fx.Node, chain_nodes: list):
+    """(mask node, how it applies: 'blocked' | 'allowed' | 'additive', fill value)."""
+    if op.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        return op.args[1], "blocked", op.args[2]
+    if op.target in (aten.where.self, aten.where.ScalarOther):
+        return op.args[0], "allowed", op.args[2]
+    a, b = op.args[0], op.args[1]
+    return (b if a in chain_nodes else a), "additive", None
+
+
+def _prove_causal(chain: _Chain, seq, param_value) -> tuple[str | None, MaskKind | None]:
+    """(None, kind) if the mask is causal or a sliding window for every length, else (why not, None)."""
+    op = chain.mask_op
+    if op is None:
+        return "it has no mask (every query attends to every key)", None
+    mask, how, fill = _mask_operand(op, chain.nodes)
+    dtype = op.meta["val"].dtype
+    try:
+        band = evaluate_mask(mask, seq, param_value)
+        if how != "additive":
+            fill_v = fill
+            if isinstance(fill, fx.Node):
+                fill_v = getattr(evaluate_mask(fill, seq, param_value), "value", None)
+            if fill_v is None or not is_blocking_fill(fill_v, dtype):
+                return f"its masked scores are filled with {fill_v}, not -inf or finfo({dtype}).min", None
+        if not isinstance(band, Band):
+            return "its mask does not depend on the query and key positions", None
+        return None, mask_kind(band, how, dtype)
+    except NotProvable as e:
+        return f"its mask is not the causal mask or a sliding window ({e})", None
+
+
+def _check_shapes(chain: _Chain, seq) -> str | None:
+    q, k, v, out = (n.meta["val"] for n in (chain.q, chain.k, chain.v, chain.out))
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return "q, k and v are not 4-D [batch, heads, seq, head_dim] tensors"
+    if not all(_is_seq(t.shape[-2], seq) for t in (q, k, v)):
+        return "q, k or v does not have the sequence length in dim -2"
+    if list(q.shape[:-2]) != list(k.shape[:-2]) or list(k.shape[:-2]) != list(v.shape[:-2]) \
+            or q.shape[-1] != k.shape[-1]:
+        return "q, k and v have different batch or head dims"
+    if not (q.dtype == k.dtype == v.dtype == out.dtype):
+        return f"q, k, v and the output have different dtypes ({q.dtype}, {k.dtype}, {v.dtype}, {out.dtype})"
+    for n in chain.nodes[:-1]:
+        if len(n.users) != 1:
+            return f"the intermediate '{n.name}' is also used elsewhere (e.g. returned attention weights)"
+    return None
+
+
+def recognize_explicit_attention(gm: fx.GraphModule, seq: sympy.Symbol, param_value) -> fx.GraphModule:
+    """Rewrite provably causal explicit attention to SDPA(is_causal=True); see the module docstring.
+
+    Args:
+        gm: the captured graph (after `recognize_causal_masks`); modified in place.
+        seq: the sequence-length symbol.
+        param_value: returns the live tensor of a parameter/buffer/constant placeholder, None
+            for user inputs.
+
+    Returns:
+        `gm`. Raises `SppoError` for explicit attention that cannot be made exact.
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SOFTMAX:
+            continue
+        chain = _match(node, seq)
+        if chain is None:
+            continue
+        why = _check_shapes(chain, seq)
+        kind = None
+        if why is None:
+            why, kind = _prove_causal(chain, seq, param_value)
+        if why is not None:
+            raise SppoError(f"{describe_node(chain.softmax)}: explicit attention that sppo_fx cannot chunk "
+                            f"exactly: {why}. sppo_fx supports causal attention only")
+        if chain.dropout_issue:
+            raise SppoError(chain.dropout_issue)
+        with gm.graph.inserting_before(chain.out):
+            if kind.window is None:
+                sdpa = gm.graph.call_function(SDPA, (chain.q, chain.k, chain.v, None, 0.0, True),
+                                              {"scale": chain.scale})
+            else:
+                sdpa = gm.graph.call_function(windowed_causal_attention, (chain.q, chain.k, chain.v),
+                                              {"scale": chain.scale, "window": kind.window})
+                sdpa.meta["sppo_attention_window"] = kind.window
+        for key in ("val", "stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in chain.out.meta:
+                sdpa.meta[key] = chain.out.meta[key]
+        sdpa.meta["sppo_explicit_attention"] = chain.softmax.name
+        chain.out.replace_all_uses_with(sdpa)
+        # erased explicitly: DCE keeps random ops such as a (p=0 or eval-mode) dropout
+        for n in reversed(chain.nodes):
+            if not n.users:
+                gm.graph.erase_node(n)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+__all__ = ["recognize_explicit_attention"]
