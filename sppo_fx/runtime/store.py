@@ -1,7 +1,7 @@
 """The activation store: asynchronous offload of saved activations to a memory tier.
 
-DESIGN.md, "Memory tiers" and Semantics 5 ("an async copy is never read before it
-completes; a failing disk tier raises").
+docs/architecture.md, section 3 "Memory model" (tiers) and section 2 "S5 Nothing silently
+wrong" (an async copy is never read before it completes; a failing disk tier raises).
 
     store = ActivationStore(tier="disk")          # or "host" (pinned CPU memory), "device"
     h = store.offload(t)        # starts an async copy off the device; returns a Handle

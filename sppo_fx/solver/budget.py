@@ -1,5 +1,5 @@
 """The budget solver: chunk count, chunk lengths and per-chunk offload ratios for a memory
-budget (DESIGN.md, Semantics 4; the paper's sequence-aware offloading).
+budget (docs/architecture.md, section 2 "S4 Budget"; the paper's sequence-aware offloading).
 
 Memory model of one sequence on one device (bytes; chunk i has c_i tokens at start t_i):
 
