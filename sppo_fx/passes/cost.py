@@ -1,4 +1,4 @@
-"""Cost model of the per-chunk program (DESIGN.md, the "analyse" step).
+"""Cost model of the per-chunk program (docs/architecture.md, section 1 "Pipeline of steps": analyse).
 
 For one chunk of `c` tokens whose queries see a K/V prefix of `p` earlier tokens, this
 module gives, as sympy expressions of the symbols `c`, `p` and `b` (batch):
