@@ -46,7 +46,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from sppo_fx.passes.cost import _alias_base
+from sppo_fx.passes.aliasing import alias_base as _alias_base
 
 RECOMPUTE_POLICIES = ("none", "cheap", "full")
 
