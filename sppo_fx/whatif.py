@@ -3,7 +3,7 @@
 `plan(model, seq_len, gpus, device)` answers "how would SPPO train this model on this
 sequence length on this many GPUs, and how fast?" analytically: the FLOPs and bytes of
 every chunk come from closed-form formulas of the model's shape, the step time and the
-peak memory from simulating the chosen schedule (:mod:`sppo_fx.solver.simulator`). Every
+peak memory from simulating the chosen schedule (:mod:`sppo_fx.schedule.simulator`). Every
 figure is a **model prediction** built on the assumptions below, not a measurement.
 
 Model (the paper's Table 2 shapes; GPT blocks, MLP 4·h, vocabulary 50257, bf16)
@@ -79,10 +79,10 @@ from typing import Iterable, Optional
 from tabulate import tabulate
 
 from sppo_fx.errors import InfeasibleBudget, SppoError
-from sppo_fx.runtime.schedule import Schedule, build_schedule, with_offload
+from sppo_fx.schedule import Schedule, build_schedule, with_offload
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths, multiplexed_lengths
 from sppo_fx.solver.profiles import DeviceProfile, get_profile
-from sppo_fx.solver.simulator import ActionCosts, SimResult, simulate
+from sppo_fx.schedule.simulator import ActionCosts, SimResult, simulate
 
 __all__ = ["ModelSpec", "MODELS", "Cluster", "PlanResult", "WhatIfReport", "POLICIES",
            "BASELINES", "get_model", "parse_tokens", "parse_bytes", "plan", "plan_config",
