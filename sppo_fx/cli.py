@@ -46,7 +46,7 @@ def _add_whatif_arguments(p: argparse.ArgumentParser) -> None:
 def _whatif_report(args):
     from sppo_fx.whatif import Cluster, get_model, parse_bytes, plan
     model = get_model(args.model, args.layers, args.hidden, args.heads, args.vocab)
-    cluster = Cluster(host_memory_bytes=parse_bytes(args.host_memory))
+    cluster = Cluster(host_memory_bytes=parse_bytes(args.host_memory, "--host-memory"))
     return plan(model, args.seq, args.gpus, args.device, cluster=cluster, stages=args.stages,
                 chunks=args.chunks, shard_optimizer=not args.no_shard_optimizer)
 

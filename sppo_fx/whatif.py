@@ -83,6 +83,7 @@ from sppo_fx.schedule import Schedule, build_schedule, with_offload
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths, multiplexed_lengths
 from sppo_fx.solver.profiles import DeviceProfile, get_profile
 from sppo_fx.schedule.simulator import ActionCosts, SimResult, simulate
+from sppo_fx.units import parse_bytes
 
 __all__ = ["ModelSpec", "MODELS", "Cluster", "PlanResult", "WhatIfReport", "POLICIES",
            "BASELINES", "get_model", "parse_tokens", "parse_bytes", "plan", "plan_config",
@@ -201,18 +202,6 @@ def parse_tokens(text) -> int:
     if value < 1:
         raise SppoError(f"sequence length must be >= 1, got {text!r}")
     return int(round(value))
-
-
-def parse_bytes(text) -> int:
-    """``"256GiB"``, ``"80GB"`` (decimal), ``"512MiB"`` or an integer -> bytes."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        return int(text)
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if m is None or m.group(2).upper() not in units:
-        raise SppoError(f"cannot read the size {text!r}: use e.g. 256GiB, 80GB or a byte count")
-    return int(float(m.group(1)) * units[m.group(2).upper()])
 
 
 @dataclasses.dataclass
