@@ -61,7 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from sppo_fx.errors import InfeasibleBudget, SppoError
+from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.passes import cost as cost_model
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
