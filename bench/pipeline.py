@@ -11,7 +11,7 @@
    timed steps; every pipeline rank records each action's wall-clock span.
 3. Predictions of the same schedule with durations from the cost model: the schedule
    validator's clock (`solver.pipeline.predict`) and the event simulator
-   (`solver.simulator.simulate`, compute stream per rank, links, copy engines).
+   (`schedule.simulator.simulate`, compute stream per rank, links, copy engines).
 
 Measured bubble = 1 - (compute time summed over ranks) / (P * step time). On a 2-core
 machine with P = 2 each rank has one core; figures from such a small machine say whether
@@ -38,11 +38,11 @@ from sppo_fx.capture import capture  # noqa: E402
 from sppo_fx.models import build  # noqa: E402
 from sppo_fx.passes import transform  # noqa: E402
 from sppo_fx.runtime.launch import start_local_ranks  # noqa: E402
-from sppo_fx.runtime.schedule import Action, ActionKind  # noqa: E402
+from sppo_fx.schedule import Action, ActionKind  # noqa: E402
 from sppo_fx.solver.partition import cost_model_from_graph  # noqa: E402
-from sppo_fx.runtime.schedule import build_schedule  # noqa: E402
+from sppo_fx.schedule import build_schedule  # noqa: E402
 from sppo_fx.solver.pipeline import ComputeModel, chunk_seconds, predict  # noqa: E402
-from sppo_fx.solver.simulator import simulate  # noqa: E402
+from sppo_fx.schedule.simulator import simulate  # noqa: E402
 
 
 def _model(args):

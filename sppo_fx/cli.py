@@ -26,7 +26,7 @@ def _explain(args) -> int:
 
 def _add_whatif_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments shared by `plan` and `trace` (paper-scale what-if planning)."""
-    from sppo_fx.whatif import MODELS
+    from sppo_fx.planner import MODELS
     p.add_argument("--model", default="gpt-7b", choices=sorted(MODELS) + ["custom"],
                    help="paper Table 2 model (or custom with --layers/--hidden/--heads)")
     p.add_argument("--layers", type=int, default=None, help="override / custom: transformer blocks")
@@ -44,9 +44,9 @@ def _add_whatif_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _whatif_report(args):
-    from sppo_fx.whatif import Cluster, get_model, parse_bytes, plan
+    from sppo_fx.planner import Cluster, get_model, parse_bytes, plan
     model = get_model(args.model, args.layers, args.hidden, args.heads, args.vocab)
-    cluster = Cluster(host_memory_bytes=parse_bytes(args.host_memory))
+    cluster = Cluster(host_memory_bytes=parse_bytes(args.host_memory, "--host-memory"))
     return plan(model, args.seq, args.gpus, args.device, cluster=cluster, stages=args.stages,
                 chunks=args.chunks, shard_optimizer=not args.no_shard_optimizer)
 
@@ -55,7 +55,7 @@ def _plan(args) -> int:
     import json
 
     from sppo_fx.errors import SppoError
-    from sppo_fx.whatif import format_report
+    from sppo_fx.planner import format_report
     try:
         report = _whatif_report(args)
     except SppoError as e:
@@ -71,7 +71,7 @@ def _plan(args) -> int:
 def _trace(args) -> int:
     from sppo_fx.errors import SppoError
     from sppo_fx.trace import render_text, simulated_trace, summarize_trace, write_trace
-    from sppo_fx.whatif import report_simulation
+    from sppo_fx.planner import report_simulation
     try:
         report = _whatif_report(args)
         sim = report_simulation(report, args.policy)

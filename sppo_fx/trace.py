@@ -16,7 +16,7 @@ Resources map to thread ids in a fixed order (:data:`TID_BASE`): compute 0, d2h 
 disk 3, then links and receives from 4 in the order first seen (sorted by name), so two
 traces of the same plan line up.
 
-:func:`simulated_trace` turns a :class:`~sppo_fx.solver.simulator.SimResult` into such a
+:func:`simulated_trace` turns a :class:`~sppo_fx.schedule.simulator.SimResult` into such a
 trace; :class:`TraceRecorder` records measured wall-clock spans of a real run in the same
 format (``with rec.span("0F0.1", resource="compute"): ...``), and :func:`merge_traces`
 combines the traces of several ranks. :func:`write_trace` writes the JSON,
@@ -70,7 +70,7 @@ def simulated_trace(sim_result, *, memory_counters: bool = True, title: str = ""
     """The Chrome trace of a simulated step.
 
     Args:
-        sim_result: a SimResult from :func:`sppo_fx.solver.simulator.simulate` (with
+        sim_result: a SimResult from :func:`sppo_fx.schedule.simulator.simulate` (with
             ``record_events=True``).
         memory_counters: also emit ``ph: "C"`` counters of each rank's device memory (GiB).
         title: stored in ``otherData.title``.

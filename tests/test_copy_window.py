@@ -80,7 +80,7 @@ def test_a_tensor_larger_than_the_window_still_goes_alone(tmp_path):
 
 
 def test_a_failed_read_leaves_the_window_clean(tmp_path, monkeypatch):
-    import sppo_fx.runtime.store as store_mod
+    import sppo_fx.runtime.store.disk as store_mod
     from sppo_fx.runtime.store import StoreReadError
 
     with ActivationStore("disk", dir=str(tmp_path)) as store:

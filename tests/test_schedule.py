@@ -1,4 +1,4 @@
-"""Tests for sppo_fx.runtime.schedule: action grammar, generators, validator."""
+"""Tests for sppo_fx.schedule: action grammar, generators, validator."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sppo_fx.runtime.schedule import (
+from sppo_fx.schedule import (
     Action,
     ActionKind,
     Schedule,
@@ -156,7 +156,7 @@ def test_schedule_str_format():
 
 
 def test_module_docstring_example_is_current():
-    import sppo_fx.runtime.schedule as mod
+    import sppo_fx.schedule.actions as mod
     for line in str(gpipe_schedule(2, 1, 2)).splitlines():
         assert "    " + line + "\n" in mod.__doc__
 

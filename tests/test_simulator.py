@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from sppo_fx.runtime.schedule import ActionKind, Schedule, ScheduleError, build_schedule, validate
+from sppo_fx.schedule import ActionKind, Schedule, ScheduleError, build_schedule, validate
 from sppo_fx.solver.profiles import DeviceProfile
-from sppo_fx.solver.simulator import ActionCosts, SimResult, simulate
+from sppo_fx.schedule.simulator import ActionCosts, SimResult, simulate
 
 K = ActionKind
 GB = 1e9

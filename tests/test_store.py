@@ -1,4 +1,4 @@
-"""The activation store (sppo_fx/runtime/store.py): tiers, ordering, failures, autograd, RSS."""
+"""The activation store (sppo_fx/runtime/store/): tiers, ordering, failures, autograd, RSS."""
 from __future__ import annotations
 
 import gc
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-import sppo_fx.runtime.store as store_mod
+import sppo_fx.runtime.store.disk as store_mod
 from sppo_fx.errors import SppoError
 from sppo_fx.runtime.store import ActivationStore, StoreError, StoreReadError, StoreWriteError
 

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from sppo_fx.cli import main
-from sppo_fx.runtime.schedule import build_schedule
+from sppo_fx.schedule import build_schedule
 from sppo_fx.solver.profiles import DeviceProfile
-from sppo_fx.solver.simulator import ActionCosts, simulate
+from sppo_fx.schedule.simulator import ActionCosts, simulate
 from sppo_fx.trace import (TID_BASE, TraceRecorder, load_trace, merge_traces, render_text, simulated_trace,
                            summarize_trace, timeline_trace, validate_trace, write_trace)
 

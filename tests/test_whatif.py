@@ -10,7 +10,7 @@ import pytest
 from sppo_fx.cli import main
 from sppo_fx.errors import InfeasibleBudget, SppoError
 from sppo_fx.solver.profiles import get_profile
-from sppo_fx.whatif import (BASELINES, MODELS, Cluster, format_report, get_model, parse_bytes, parse_tokens, plan,
+from sppo_fx.planner import (BASELINES, MODELS, Cluster, format_report, get_model, parse_bytes, parse_tokens, plan,
                             plan_config, plan_simulation)
 
 FIGURES = {"stages": int, "chunks": int, "tokens_per_gpu_per_s": float, "peak_bytes_per_gpu": int}

@@ -1,4 +1,4 @@
-"""Cost model of the per-chunk program (DESIGN.md, the "analyse" step).
+"""Cost model of the per-chunk program (docs/architecture.md, section 1 "Pipeline of steps": analyse).
 
 For one chunk of `c` tokens whose queries see a K/V prefix of `p` earlier tokens, this
 module gives, as sympy expressions of the symbols `c`, `p` and `b` (batch):
@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from typing import Callable, Iterable
 
 import sympy
@@ -77,6 +76,10 @@ import torch.fx as fx
 from tabulate import tabulate
 
 from sppo_fx.errors import SppoError, describe_node
+from sppo_fx.passes.aliasing import alias_base as _alias_base
+from sppo_fx.passes.aliasing import is_view_op as _is_view_op
+from sppo_fx.passes.aliasing import storage_key as _storage_key
+from sppo_fx.passes.offload import memory_partitioner
 
 aten = torch.ops.aten
 
@@ -327,22 +330,6 @@ def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, (list, tuple)):
         return [t for v in x for t in _tensors(v)]
     return []
-
-
-def _storage_key(t: torch.Tensor):
-    try:
-        return t.untyped_storage()._cdata
-    except Exception:  # pragma: no cover - tensors without storage (sparse, nested)
-        return None
-
-
-def _is_view_op(target) -> bool:
-    if target is operator.getitem:
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        rets = target._schema.returns
-        return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
-    return False
 
 
 def _attention_kind(node: fx.Node) -> str | None:
@@ -717,27 +704,6 @@ def _match_dim(v: int, c0: int, p0: int, batch: int, static: set[int]) -> tuple[
     return sympy.Integer(v), False
 
 
-def _alias_base(node: fx.Node) -> fx.Node:
-    """Follow view ops (and getitem of view-returning ops) to the node owning the storage."""
-    seen = 0
-    while seen < 1000:
-        seen += 1
-        if node.op != "call_function" or not node.args:
-            return node
-        if node.target is operator.getitem:
-            parent = node.args[0]
-            if isinstance(parent, fx.Node) and parent.op == "call_function" and _is_view_op(parent.target) \
-                    and parent.args and isinstance(parent.args[0], fx.Node):
-                node = parent.args[0]
-                continue
-            return node
-        if _is_view_op(node.target) and isinstance(node.args[0], fx.Node):
-            node = node.args[0]
-            continue
-        return node
-    return node
-
-
 def _data_dependent(graph: fx.Graph, is_data: Callable[[fx.Node], bool]) -> dict[fx.Node, bool]:
     """node -> whether it depends on a placeholder for which `is_data` holds (graph order)."""
     dep: dict[fx.Node, bool] = {}
@@ -805,7 +771,6 @@ def _aot_forward(program, args: list, partition: str, recompute: str = "none"):
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-    from sppo_fx.passes.offload import memory_partitioner
     base = {"default": default_partition,
             "min_cut": memory_partitioner(recompute, offload=False) if recompute != "none" else
             functools.partial(min_cut_rematerialization_partition, compiler="inductor")}

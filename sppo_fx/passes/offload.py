@@ -1,5 +1,5 @@
 """Memory passes on a chunk program's AOTAutograd partition: recompute regions and
-offload / prefetch / wait nodes (issue 3, DESIGN.md "two-level activation management").
+offload / prefetch / wait nodes (docs/architecture.md, section 3 "Memory model": two levels of activations).
 
 They run inside the partitioner (`memory_partitioner`), i.e. on the joint graph before
 the forward/backward split (recompute tags) and on the two graphs right after it (offload
@@ -46,7 +46,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from sppo_fx.passes.cost import _alias_base
+from sppo_fx.passes.aliasing import alias_base as _alias_base
 
 RECOMPUTE_POLICIES = ("none", "cheap", "full")
 

@@ -1,4 +1,4 @@
-"""Sequence-dimension analysis (DESIGN.md, Semantics 3).
+"""Sequence-dimension analysis (docs/architecture.md, section 2 "S3 Sequence-dimension analysis").
 
 Every node of a captured graph gets a `SeqInfo` in `node.meta["sppo_seq"]`:
 

@@ -1,4 +1,4 @@
-"""Pipeline executor: one stage per rank, driven by a schedule (runtime/schedule.py).
+"""Pipeline executor: one stage per rank, driven by a schedule (sppo_fx/schedule/).
 
 Each rank runs its own action list:
 
@@ -34,7 +34,7 @@ from sppo_fx.errors import SppoError
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.local import StageRunner
-from sppo_fx.runtime.schedule import ActionKind, Schedule
+from sppo_fx.schedule import ActionKind, Schedule
 
 DEFAULT_TIMEOUT_S = 60.0
 _ERROR_KEY = "sppo_fx/error"

@@ -20,7 +20,7 @@ from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.passes.stage_split import StageGraph
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.distributed import PipelineExecutor, check_agreement, fingerprint
-from sppo_fx.runtime.schedule import build_schedule, with_offload
+from sppo_fx.schedule import build_schedule, with_offload
 from sppo_fx.solver.partition import cost_model_from_graph
 from sppo_fx.solver.pipeline import ComputeModel, choose_plan
 

@@ -1,5 +1,5 @@
 """The budget solver: chunk count, chunk lengths and per-chunk offload ratios for a memory
-budget (DESIGN.md, Semantics 4; the paper's sequence-aware offloading).
+budget (docs/architecture.md, section 2 "S4 Budget"; the paper's sequence-aware offloading).
 
 Memory model of one sequence on one device (bytes; chunk i has c_i tokens at start t_i):
 
@@ -61,39 +61,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from sppo_fx.errors import InfeasibleBudget, SppoError
+from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.passes import cost as cost_model
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
+from sppo_fx.units import parse_bytes
 
 def parse_budget(budget) -> int:
-    """Bytes from an int or a string such as "12GiB", "500MiB", "1.5GB".
+    """Bytes from an int or a string such as "12GiB", "500MiB", "1.5GB" (`units.parse_bytes`).
 
     Raises SppoError naming the accepted forms for anything else.
     """
-    if isinstance(budget, bool):
-        raise SppoError("budget must be bytes (int) or a string like '24GiB'")
-    if isinstance(budget, (int, float)):
-        if budget <= 0:
-            raise SppoError(f"budget must be positive, got {budget}")
-        return int(budget)
-    if isinstance(budget, str):
-        text = budget.strip().lower().replace(" ", "")
-        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(num):]
-        if num and unit in _UNITS:
-            try:
-                value = float(num) * _UNITS[unit]
-            except ValueError:
-                value = -1
-            if value > 0:
-                return int(value)
-    raise SppoError(f"cannot read budget {budget!r}: give bytes (int) or a string like '24GiB', '500MiB', '2GB'")
+    return parse_bytes(budget, "budget")
 
 
 @dataclasses.dataclass

@@ -1,8 +1,8 @@
 """Adaptive pipeline scheduling: choose the chunk count N and the chunk lengths for P stages.
 
-Predicted step time comes from simulating the schedule itself (`runtime.schedule.validate`
-with action durations from the cost model), so predictions and the runtime share one
-source of truth. For a chunk of c tokens at start t on one of P stages:
+Predicted step time comes from simulating the schedule itself (`schedule.simulator.simulate`,
+the one clock, with action durations from the cost model), so predictions and the runtime
+share one source of truth. For a chunk of c tokens at start t on one of P stages:
 
     F = flops(c, t) / P / (rate · eff(c))        eff(c) = c / (c + c_half)
     B = backward_factor · F
@@ -18,7 +18,8 @@ import dataclasses
 
 from tabulate import tabulate
 
-from sppo_fx.runtime.schedule import ActionKind, build_schedule, validate
+from sppo_fx.schedule import ActionKind, build_schedule
+from sppo_fx.schedule.simulator import ActionCosts, simulate
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths, multiplexed_lengths
 
 
@@ -102,9 +103,11 @@ def predict(cost: ChunkCostModel, compute: ComputeModel, lengths: list[int], sta
         return 0.0
 
     sched = build_schedule(schedule, stages, microbatches, len(lengths))
-    report = validate(sched, cost=duration, comm="buffered")  # the executor posts isend: sends never block
+    # the executor posts isend: sends never block; communication is not modelled here
+    sim = simulate(sched, ActionCosts.from_callable(duration), link_bytes_per_s=None, link_latency_s=0.0,
+                   record_events=False)
     busy = stages * microbatches * sum(f + b for f, b in times)
-    return PipelinePrediction(stages, microbatches, schedule, list(lengths), multiplexed, report.makespan, busy)
+    return PipelinePrediction(stages, microbatches, schedule, list(lengths), multiplexed, sim.step_seconds, busy)
 
 
 def choose_plan(cost: ChunkCostModel, compute: ComputeModel, seq_len: int, stages: int, microbatches: int = 1,

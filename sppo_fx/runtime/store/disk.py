@@ -1,0 +1,108 @@
+"""The disk tier: a background thread writes the tensor's bytes to a file in a private
+temp dir (CUDA tensors are first staged through pinned host memory by the core); once the
+write is done the store drops its reference, so the memory is freed when the caller drops
+theirs. A read fills a new tensor (or a recycled buffer, `pool.ReadBufferPool`) from the
+file, which is then removed, or pooled and later overwritten (`pool.FilePool`).
+
+docs/architecture.md, section 3 "Memory model" (tiers).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+
+from sppo_fx.runtime.store.pool import FilePool, ReadBufferPool
+from sppo_fx.runtime.store.records import _dense, _span  # noqa: F401  (_dense: tests read it here)
+from sppo_fx.runtime.store.tier import Tier
+
+# Raw byte I/O: module-level so tests can monkeypatch them (e.g. to make a write fail).
+
+
+def _write_bytes(path: str, view: memoryview, overwrite: bool = False) -> None:
+    """Write `view` to a new file at `path`, or with `overwrite` at the start of an existing
+    (pooled) file, keeping its size: its page-cache pages are reused, where a new file
+    would allocate fresh ones (whole-buffer loop over partial writes)."""
+    fd = os.open(path, os.O_WRONLY) if overwrite else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        off, n = 0, len(view)
+        while off < n:
+            written = os.pwrite(fd, view[off:off + (64 << 20)], off)
+            if written <= 0:
+                raise OSError(f"os.pwrite wrote {written} bytes")
+            off += written
+    finally:
+        os.close(fd)
+
+
+def _read_bytes(path: str, view: memoryview, exact: bool = True) -> None:
+    """Fill `view` from the file at `path`; raises if the file is shorter (or, with
+    `exact`, longer: a pooled file may be larger than what was last written to it)."""
+    with open(path, "rb", buffering=0) as f:
+        off, n = 0, len(view)
+        while off < n:
+            got = f.readinto(view[off:])
+            if not got:
+                raise OSError(f"{path} ended after {off} of {n} bytes")
+            off += got
+        if exact and f.read(1):
+            raise OSError(f"{path} holds more than the {n} bytes written")
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, dir: str | None = None, reuse_files: bool = False):
+        self.dir = tempfile.mkdtemp(prefix="sppo_store_", dir=dir)
+        self.files = FilePool(reuse_files)
+        self.read_buffers = ReadBufferPool()
+
+    def moves(self, t: torch.Tensor) -> bool:
+        return True
+
+    def keep(self, core, rec, host: torch.Tensor):
+        if rec.nbytes:
+            path, size = self.files.take(core, rec, self.dir)
+            rec.path, rec.capacity = path, size or rec.nbytes
+            _write_bytes(path, _span(host), overwrite=bool(size))
+            if self.fsync:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        return None  # nothing stays in memory
+
+    def load(self, core, rec, on_cuda: bool) -> torch.Tensor:
+        staging = None if on_cuda else self.read_buffers.take(core, rec)
+        if staging is None:
+            staging = rec.empty_like(pin_memory=True) if on_cuda else rec.empty_like()
+        if rec.nbytes:
+            _read_bytes(rec.path, _span(staging), exact=rec.capacity == rec.nbytes)
+        return staging
+
+    def discard(self, core, rec, path, reusable: bool) -> None:
+        self.files.free(core, path, rec.capacity, reusable)
+
+    def where(self) -> str:
+        return self.dir
+
+    def recycle_read_buffers(self, core, max_bytes: int) -> None:
+        with core.lock:
+            self.read_buffers.limit = max(self.read_buffers.limit, int(max_bytes))
+
+    def trim_read_buffers(self, core) -> None:
+        self.read_buffers.trim(core)
+
+    def read_buffer_bytes(self, core) -> int:
+        return self.read_buffers.held_bytes(core)
+
+    def pooled_files(self, core) -> tuple[int, int]:
+        with core.lock:
+            return len(self.files.free_files), self.files.pool_bytes
+
+    def close(self, core) -> None:
+        self.read_buffers.clear(core)
+        shutil.rmtree(self.dir, ignore_errors=True)
