@@ -1,4 +1,4 @@
-"""Which FX nodes share storage: the alias helpers of the cost model (`passes/cost.py`,
+"""Which FX nodes share storage: the alias helpers of the cost model (`passes/cost/`,
 saved tensors grouped by storage) and the memory passes (`passes/offload.py`, one
 offloadable value per storage).
 

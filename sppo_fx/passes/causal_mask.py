@@ -17,7 +17,7 @@ input, no data) and proves, symbolically and for every sequence length
 
 after which the mask subgraph is dead and removed. A mask that depends on user inputs
 (e.g. a padding `attention_mask`), or that cannot be proven to be one of these, raises
-`SppoError`: an unproven mask is never taken for causal (docs/architecture.md, "Semantics").
+`SppoError`: an unproven mask is never taken for causal (docs/architecture.md, section 2 "S3").
 """
 from __future__ import annotations
 
