@@ -224,6 +224,9 @@ class StageRunner:
                                  self._accumulate_grad, m.skeleton, i, self.window)
         with torch.set_grad_enabled(self.needs_grad), active_memory(memory):
             outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
+        if memory is not None and memory.error is not None:
+            memory.release()
+            raise memory.error  # a failed offload write (the caller aborts the micro-batch)
         outs = list(outs)
         m.states[i] = _ChunkState(outs[:n_part], outs[n_part:n_part + n_send], outs[n_part + n_send:],
                                   prefix, recv_leaves, memory)
@@ -233,6 +236,23 @@ class StageRunner:
             for buf, t in zip(m.kv_buffers, m.states[i].kv):
                 buf[..., start:end, :].copy_(t)
         return [t.detach() for t in m.states[i].sends]
+
+    def abort(self, mb: int) -> None:
+        """A step failed: drop micro-batch `mb`'s saved state and offloaded copies (their
+        files are removed), and the store's pooled files (the disk may be full). Parameter
+        gradients are untouched: the forward never writes them."""
+        m = self.microbatches.pop(mb, None)
+        if m is not None:
+            for st in m.states.values():
+                if st.memory is not None:
+                    st.memory.release()
+            if m.skeleton is not None:
+                for i in range(self.plan.num_chunks):
+                    m.skeleton.release(i)
+            m.states.clear()
+        if self.store is not None:
+            self.store.trim_read_buffers()
+            self.store.drop_pooled_files()
 
     def offloads(self, mb: int, i: int) -> bool:
         """Whether chunk `i` of micro-batch `mb` offloads its saved activations."""
@@ -372,9 +392,17 @@ class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner, n_chunks, *grad_params):
         ctx.runner, ctx.n_chunks = runner, n_chunks
-        for i in range(n_chunks):
-            runner.forward(0, i)
-        return runner.finish_forward(0)
+        try:
+            for i in range(n_chunks):
+                runner.forward(0, i)
+            if runner.store is not None:
+                # a write that failed in the background fails the step here, before the
+                # backward has added anything to a parameter's .grad
+                runner.store.synchronize()
+            return runner.finish_forward(0)
+        except BaseException:
+            runner.abort(0)
+            raise
 
     @staticmethod
     def backward(ctx, grad):
@@ -415,7 +443,11 @@ def chunked_loss(program: ChunkedProgram, params: list[torch.Tensor], inputs: li
                          copy_window_bytes)
     runner.start(0, inputs)
     if not needs_grad:
-        for i in range(plan.num_chunks):
-            runner.forward(0, i)
-        return runner.finish_forward(0)
+        try:
+            for i in range(plan.num_chunks):
+                runner.forward(0, i)
+            return runner.finish_forward(0)
+        except BaseException:
+            runner.abort(0)
+            raise
     return _ChunkedLoss.apply(runner, plan.num_chunks, *grad_params)

@@ -32,6 +32,7 @@ import collections
 import torch
 
 from sppo_fx.ops.offload import MatmulGrad
+from sppo_fx.runtime.store.records import StoreError
 
 
 class CopyWindow:
@@ -121,20 +122,40 @@ class ChunkMemory:
         self.grad_sink = grad_sink
         self.skeleton, self.chunk = skeleton, chunk
         self.entries: dict[int, object] = {}  # slot -> kept tensor | store Handle
+        self.error: StoreError | None = None  # a failed offload of this chunk's forward
         self.offloaded_bytes = 0
         self.kept_bytes = 0
 
     def offload(self, x: torch.Tensor, slot: int) -> None:
         n = x.numel() * x.element_size()
-        if self.store is not None and self.min_bytes <= n <= self.left:
-            self.left -= n
-            self.offloaded_bytes += n
-            self.entries[slot] = self.store.offload(x)
-            if self.window is not None:
-                self.window.after_offload()
-        else:
-            self.kept_bytes += n
-            self.entries[slot] = x
+        if self.store is not None and self.error is None and self.min_bytes <= n <= self.left:
+            handle = None
+            try:
+                handle = self.store.offload(x)
+                if self.window is not None:
+                    self.window.after_offload()
+            except StoreError as e:
+                # Not raised here, inside the compiled chunk program (Dynamo masks it as
+                # "Attempt to trace generator"): the executor raises it once the program
+                # returns (`StageRunner.forward`), and the step stops there.
+                self.error = e
+                if handle is not None:
+                    self._release_quietly(handle)
+            else:
+                self.entries[slot] = handle
+                self.left -= n
+                self.offloaded_bytes += n
+                return
+        self.kept_bytes += n
+        self.entries[slot] = x
+
+    def _release_quietly(self, handle) -> None:
+        if self.window is not None:
+            self.window.forget([handle])
+        try:
+            self.store.release(handle)
+        except StoreError:
+            pass  # the step is failing with `self.error` already
 
     def prefetch(self, slot: int | None = None) -> None:
         """Start reading back one slot, or every offloaded slot (last produced first: a

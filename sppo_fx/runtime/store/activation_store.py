@@ -285,6 +285,11 @@ class ActivationStore:
         backward) gives the free ones back."""
         self._core.tier.recycle_read_buffers(self._core, max_bytes)
 
+    def drop_pooled_files(self) -> None:
+        """Remove the files kept for reuse (`reuse_files`); the executor does this when a
+        step fails, so that a full disk gets its space back."""
+        self._core.tier.drop_pooled_files(self._core)
+
     def trim_read_buffers(self) -> None:
         """Give back recycled read-back buffers that no tensor uses any more."""
         self._core.tier.trim_read_buffers(self._core)

@@ -48,6 +48,13 @@ class FilePool:
             _remove(stale[1])
         return os.path.join(directory, f"t{rec.id}.bin"), 0
 
+    def drop(self, core) -> None:
+        """Remove every pooled file (e.g. after a failed write: the disk may be full)."""
+        with core.lock:
+            files, self.free_files, self.pool_bytes = self.free_files, [], 0
+        for _, path in files:
+            _remove(path)
+
     def free(self, core, path: str, size: int, reusable: bool = True) -> None:
         """A file whose data is no longer needed: into the pool (while the pool stays within
         the most bytes the tier ever held at once), or removed."""

@@ -60,7 +60,7 @@ class _Record:
 
     __slots__ = ("id", "shape", "stride", "dtype", "device", "nbytes", "state", "src", "host",
                  "path", "capacity", "result", "write_future", "read_future", "error", "error_seen",
-                 "released", "busy", "on_device", "offloaded", "keep", "__weakref__")
+                 "released", "busy", "on_device", "offloaded", "keep", "checksum", "__weakref__")
 
     def __init__(self, rid, t: torch.Tensor, keep: bool = False):
         self.id = rid
@@ -84,6 +84,7 @@ class _Record:
         self.busy = 0                 # background tasks submitted and not finished
         self.on_device = 0            # bytes of this record counted in bytes_on_device
         self.offloaded = 0            # bytes counted in bytes_offloaded
+        self.checksum = None          # sampled checksum of the written bytes (disk tier)
 
     def empty_like(self, **kw) -> torch.Tensor:
         """An uninitialised tensor of the record's shape, dtype and (if dense) strides."""

@@ -55,6 +55,9 @@ class Tier:
         """(files, bytes) kept to be overwritten (disk tier with `reuse_files`)."""
         return 0, 0
 
+    def drop_pooled_files(self, core) -> None:
+        """Remove the pooled files (disk tier with `reuse_files`)."""
+
     def discard(self, core, rec, path, reusable: bool) -> None:
         """Nothing to discard unless the tier owns files."""
 
