@@ -16,7 +16,7 @@ def _example():
     return module
 
 
-def test_train_hf_two_steps_with_budget_and_checkpoint(tmp_path, capsys):
+def test_train_hf_two_steps_and_checkpoint(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(3):
