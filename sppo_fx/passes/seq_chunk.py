@@ -264,25 +264,49 @@ def _rewrite_position(b: _Builder, node: fx.Node, start: fx.Node, length: fx.Nod
                     "sppo_fx can offset only position ranges that start at 0 and end at the sequence length")
 
 
+_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.view_as.default, aten.as_strided.default}
+# ops whose result is a view of their input (a strided input gives a strided result)
+_ALIASING_OPS = {aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+                 aten.squeeze.dims, aten.squeeze.default, aten.transpose.int, aten.permute.default,
+                 aten.t.default, aten.expand.default, aten.alias.default, aten.detach.default,
+                 aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+                 aten.narrow.default, aten.diagonal.default, operator.getitem}
+
+
+def _needs_contiguous(node: fx.Node) -> bool:
+    """Whether a view op (`view`, `as_strided`, ...) reads `node` directly or through views."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.target in _VIEW_OPS:
+                return True
+            if u.target in _ALIASING_OPS:
+                stack.append(u)
+    return False
+
+
 def _sliced_input(b: _Builder, placeholder: fx.Node, node: fx.Node, spec: Boundary):
-    """A chunk's slice of an input-derived value, contiguous where the slice is not.
+    """A chunk's slice of an input-derived value, made contiguous where the graph views it.
 
     The runtime hands the chunk program `value.narrow(seq_dim, start, c)`; with a dim of
     size > 1 before the sequence dim (batch > 1) that slice is strided, while the whole
     input was contiguous, so a `.view` the model applies to it (nanoGPT's
     `targets.view(-1)`) would fail. A contiguous copy makes the slice behave like the
-    whole input for every op; for an already contiguous slice `contiguous` is free.
+    whole input for every op.
     """
-    if spec.seq_dim is None:
+    if spec.seq_dim is None or not _needs_contiguous(node):
         return placeholder
-    val = node.meta["val"]
     leading = 1
-    for s in val.shape[:spec.seq_dim]:
+    for s in node.meta["val"].shape[:spec.seq_dim]:
         leading *= int(s) if not isinstance(s, torch.SymInt) else 2  # symbolic: assume > 1
     if leading <= 1:
         return placeholder
-    out = b.graph.call_function(aten.contiguous.default, (placeholder,))
-    return _copy_meta(out, node)
+    # no meta copied, like the K/V copies below: the cost model's fake run shapes it
+    return b.graph.call_function(aten.contiguous.default, (placeholder,))
 
 
 def _reduction_partials(b: _Builder, node: fx.Node) -> tuple[str, list]:
