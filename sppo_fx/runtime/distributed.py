@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import threading
 import time
 
 import torch
@@ -40,6 +41,7 @@ DEFAULT_TIMEOUT_S = 60.0
 _ERROR_KEY = "sppo_fx/error"
 _TAG_SHARED = 1 << 24  # + parameter index: tied-parameter gradients
 _TAG_LOSS = 1 << 25
+_STORE_WAIT_S = 2.0  # longest wait for the rendezvous store while handling a failure
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> tuple[int, int]:
@@ -115,6 +117,7 @@ class PipelineExecutor:
         # time F/B spent waiting for a peer's tensor is a separate "wait:<action>" entry
         self.timeline: list[tuple[str, float, float]] = []
         self._compute_start = None
+        self._store_stuck = False  # a store call timed out (see _store_call)
 
     # ---- point-to-point with timeouts --------------------------------------------------
     def _tag(self, direction: int, mb: int, chunk: int, index: int) -> int:
@@ -140,13 +143,26 @@ class PipelineExecutor:
                             f"{self.timeout_s:.0f} s ({self._peer_error() or type(e).__name__ + ': ' + str(e).splitlines()[0]})") from e
 
     def _peer_error(self) -> str | None:
-        try:
+        def read():
             store = dist.distributed_c10d._get_default_store()
-            if store.check([_ERROR_KEY]):
-                return store.get(_ERROR_KEY).decode()
-        except Exception:  # noqa: BLE001 - the store may be gone with the failed rank
+            return store.get(_ERROR_KEY).decode() if store.check([_ERROR_KEY]) else None
+        return self._store_call(read)
+
+    def _store_call(self, fn):
+        """fn()'s result, or None if it raises or takes longer than `_STORE_WAIT_S`: the
+        rendezvous store is served by rank 0, which may be the rank that hangs (a stopped
+        process keeps its sockets open, so a store call would block for the store's own
+        timeout). After one call times out the store is not used again."""
+        if self._store_stuck:
             return None
-        return None
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+        worker.start()
+        worker.join(min(_STORE_WAIT_S, self.timeout_s))
+        if worker.is_alive():
+            self._store_stuck = True
+            return None
+        return result[0] if result else None
 
     def _received(self, pending, what):
         bufs, works, peer = pending
@@ -165,12 +181,11 @@ class PipelineExecutor:
             raise
 
     def _fail(self, error: BaseException):
-        try:
+        def record():
             store = dist.distributed_c10d._get_default_store()
             if not store.check([_ERROR_KEY]):
                 store.set(_ERROR_KEY, f"rank {self.rank} raised {type(error).__name__}: {error}".splitlines()[0])
-        except Exception:  # noqa: BLE001
-            pass
+        self._store_call(record)
         try:  # closing our connections makes peers blocked on us fail now, not at their timeout
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
