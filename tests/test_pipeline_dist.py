@@ -147,6 +147,39 @@ def test_ranks_that_disagree_on_the_plan_fail_at_start(tmp_path):
         assert "ranks disagree on plan (chunk lengths)" in err, err[-3000:]
 
 
+DISAGREEMENTS = {  # scenario of tests/pipeline_disagreement_worker.py -> what the error names
+    "graph": "model graph",
+    "dtypes": "parameter names, shapes and dtypes",
+    "values": "parameter values (sampled)",
+    "schedule": "schedule",
+    "input shapes": "micro-batch input shapes",
+}
+
+
+def test_ranks_that_disagree_are_stopped_before_a_step():
+    """Each component of the fingerprint, changed on one rank only, stops every rank before
+    any gradient exists, naming that component; the same model on every rank runs."""
+    import json
+    worker = os.path.join(ROOT, "tests", "pipeline_disagreement_worker.py")
+    procs = start_local_ranks([sys.executable, worker, *DISAGREEMENTS], 2, cwd=ROOT)
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    expected = {**DISAGREEMENTS, "shared values": "values of parameters several stages share"}
+    for rank, results in enumerate(outs):
+        assert [r["scenario"] for r in results] == list(expected), results
+        for r in results:
+            what = expected[r["scenario"]]
+            assert r["error"] is not None, f"rank {rank} ran the step with a different {r['scenario']}"
+            assert f"ranks disagree on {what}" in r["error"] or f", {what}" in r["error"], r["error"]
+            assert not r["grads"], f"rank {rank}: gradients exist after the refusal ({r['scenario']})"
+            if r["scenario"] not in ("graph", "input shapes"):  # only what differs is named (the graph
+                # is traced for the micro-batch's shape, so other shapes also make another graph)
+                assert "model graph" not in r["error"], r["error"]
+
+
 def test_torchrun_launch(tmp_path):
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), SCRIPT, "--model", "gpt", "--layers", "2",
