@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import time
 
 import torch
 
@@ -25,19 +27,27 @@ from sppo_fx.models import build
 from sppo_fx.runtime.distributed import init_from_env
 
 
-def _inject_failure(at: str):
+def _inject_failure(at: str, how: str):
+    """Make this rank fail in StageRunner.forward (at chunk 1) or .backward (its first):
+    exit (os._exit(17)), kill (SIGKILL), raise (RuntimeError) or hang (SIGSTOP). The fault's
+    wall-clock time goes to stderr as `fault at <time.time()>`."""
     from sppo_fx.runtime import local
 
     original = getattr(local.StageRunner, at)
 
-    def die(self, *args, **kwargs):
-        if at == "forward" and args[1] == 0:  # let chunk 0 through, die at chunk 1
+    def fail(self, *args, **kwargs):
+        if at == "forward" and args[1] == 0:  # let chunk 0 through, fail at chunk 1
             return original(self, *args, **kwargs)
-        sys.stderr.write(f"[fault injection] rank dies in {at}\n")
+        sys.stderr.write(f"[fault injection] rank {how}s in {at}: fault at {time.time():.3f}\n")
         sys.stderr.flush()
-        os._exit(17)
+        if how == "exit":
+            os._exit(17)
+        if how == "raise":
+            raise RuntimeError(f"injected fault in {at}")
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        return original(self, *args, **kwargs)  # after SIGCONT
 
-    setattr(local.StageRunner, at, die)
+    setattr(local.StageRunner, at, fail)
 
 
 def main(argv=None) -> int:
@@ -62,13 +72,20 @@ def main(argv=None) -> int:
     p.add_argument("--dump", default=None)
     p.add_argument("--fail-rank", type=int, default=None)
     p.add_argument("--fail-at", choices=["forward", "backward"], default="backward")
+    p.add_argument("--fail-how", choices=["exit", "kill", "raise", "hang"], default="exit")
+    p.add_argument("--width", type=int, default=None, help="hidden size (n_embd / dim; llama ffn_dim = 2x)")
     p.add_argument("--plan-seed", type=int, default=None, help="(test) perturb this rank's chunking")
     args = p.parse_args(argv)
 
-    rank, world = init_from_env(args.timeout)
+    # the process group's own timeout covers start-up (every rank traces and compiles, at its
+    # own pace); a step's waits for peers use --timeout (compile's timeout_s)
+    rank, world = init_from_env(max(args.timeout, 120.0))
     torch.manual_seed(args.seed)
     layer_key = "n_layer" if args.model == "gpt" else "n_layers"
-    model = build(args.model, args.size, **{layer_key: args.layers})
+    overrides = {layer_key: args.layers}
+    if args.width:
+        overrides.update({"n_embd": args.width} if args.model == "gpt" else {"dim": args.width, "ffn_dim": 2 * args.width})
+    model = build(args.model, args.size, **overrides)
     gen = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.config.vocab_size
     x = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
@@ -82,9 +99,13 @@ def main(argv=None) -> int:
                                compile=args.compile, timeout_s=args.timeout, offload=args.offload,
                                budget=args.budget)
     if args.fail_rank == rank:
-        _inject_failure(args.fail_at)
+        _inject_failure(args.fail_at, args.fail_how)
     for step in range(args.steps):
-        loss = compiled.step(x, y)
+        try:
+            loss = compiled.step(x, y)
+        except sppo_fx.SppoError:
+            sys.stderr.write(f"SppoError raised at {time.time():.3f}\n")
+            raise
         if rank == 0:
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
         if args.lr:
@@ -97,7 +118,8 @@ def main(argv=None) -> int:
         os.makedirs(args.dump, exist_ok=True)
         grads = {n: prm.grad for n, prm in model.named_parameters() if prm.grad is not None}
         torch.save({"loss": loss, "grads": grads, "blocks": [s.blocks for s in compiled.pipeline.stages],
-                    "chunk_lengths": compiled.plan.chunk_lengths, "offload_ratios": compiled.plan.offload_ratios},
+                    "chunk_lengths": compiled.plan.chunk_lengths, "offload_ratios": compiled.plan.offload_ratios,
+                    "store": compiled.store.stats() if compiled.store is not None else None},
                    os.path.join(args.dump, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
     return 0

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+import os
 from typing import Callable
 
 import torch
@@ -112,6 +114,35 @@ class _Entry:
         return prog
 
 
+def _seq_len(tensors: list[torch.Tensor], seq_dim: int) -> int:
+    """The length of the first input with a dim `seq_dim`."""
+    for t in tensors:
+        if t.dim() > seq_dim:
+            return t.shape[seq_dim]
+    raise SppoError(f"no input tensor has a dim {seq_dim} (seq_dim={seq_dim}; input shapes "
+                    f"{[tuple(t.shape) for t in tensors]}): pass token ids shaped [batch, seq] or set seq_dim "
+                    "to the inputs' sequence dim")
+
+
+def _check_inputs(model, tensors: list[torch.Tensor], seq_dim: int) -> None:
+    """Refuse inputs on several devices (or on another device than the model) and token
+    inputs (integer tensors shaped like the first) of different lengths along seq_dim."""
+    devices = {t.device for t in tensors}
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    if params and params[0].device not in devices:
+        devices.add(params[0].device)
+    if len(devices) > 1:
+        where = ", ".join(sorted(str(d) for d in devices))
+        raise SppoError(f"the inputs and the model are on several devices ({where}): move the model and every "
+                        "input to one device")
+    tokens = [t for t in tensors if not t.is_floating_point() and t.dim() > seq_dim]
+    if tokens:
+        lengths = [t.shape[seq_dim] for t in tokens if t.dim() == tokens[0].dim()]
+        if len(set(lengths)) > 1:
+            raise SppoError(f"the integer inputs (token ids, targets) disagree on the sequence length along "
+                            f"seq_dim={seq_dim}: {lengths}; give every one the same length")
+
+
 class SppoCompiled:
     """The callable `sppo_fx.compile` returns.
 
@@ -166,6 +197,7 @@ class SppoCompiled:
             model = self._model
         leaves, spec, slots = flatten_call(args, kwargs, target)
         tensors = [leaves[i] for i in slots]
+        _check_inputs(model, tensors, self.options.seq_dim)
         entry = self._entry(model, args, kwargs, target, leaves, spec, slots, tensors)
         cap = entry.captured
         lengths = [t.shape[d] for t, d in zip(tensors, cap.input_seq_dims) if d is not None]
@@ -257,7 +289,8 @@ class SppoCompiled:
         rank, world = require_world(o.stages)
         leaves, _spec, slots = flatten_call(*mbs[0])
         tensors = [leaves[i] for i in slots]
-        seq_len = next(t.shape[o.seq_dim] for t in tensors if t.dim() > o.seq_dim)
+        _check_inputs(model, tensors, o.seq_dim)
+        seq_len = _seq_len(tensors, o.seq_dim)
         self.plan_for(seq_len)  # fail before tracing
         key = ("pipeline", id(model), tuple((tuple(t.shape), t.dtype) for t in tensors))
         state = self._cache.get(key)
@@ -267,7 +300,9 @@ class SppoCompiled:
             if o.compile or o.offload or recompute != "none":
                 factory = functools.partial(compile_chunk_program, backend="inductor" if o.compile else "eager",
                                             offload=o.offload is not None, recompute=recompute)
-            state = build_pipeline(model, self._fn, o, mbs, self, rank, world, factory, self.store)
+            first = not any(isinstance(k, tuple) and k[0] == "pipeline" for k in self._cache)
+            state = build_pipeline(model, self._fn, o, mbs, self, rank, world, factory, self.store,
+                                   check_values=first)
             self._cache[key] = state
         self.plan = state.plan
         self.pipeline = state
@@ -287,9 +322,15 @@ class SppoCompiled:
             if seq_len is not None and lo <= seq_len <= hi:
                 self._last = entry
                 return entry
-        self.plan_for(next(t.shape[seq_dim] for t in tensors if t.dim() > seq_dim))  # fail before tracing
-        cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
-        graph, program = transform(cap, log=self.options.log_passes)
+        self.plan_for(_seq_len(tensors, seq_dim))  # fail before tracing
+        try:
+            cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
+            graph, program = transform(cap, log=self.options.log_passes)
+        except SppoError as e:
+            if seq_dim == 1:
+                raise
+            raise type(e)(f"{e} (the inputs are chunked along seq_dim={seq_dim}: is that their sequence "
+                          "dim?)") from e
         entry = _Entry(cap, graph, program, cost_model_from_graph(graph, cap.seq))
         self._cache[key] = entry
         self._last = entry
@@ -384,6 +425,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
         decorator when `model` is omitted.
     """
+    _check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir)
     if budget is not None:
         from sppo_fx.solver.budget import parse_budget
         budget = parse_budget(budget)
@@ -411,6 +453,42 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)
+
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def _check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir):
+    """Refuse option values that no call could use, naming the option and what to give."""
+    def whole(value) -> int | None:  # ints, numpy / torch integers; not bools or floats
+        try:
+            return None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            return None
+
+    def positive_int(name, value):
+        if whole(value) is None or whole(value) < 1:
+            raise SppoError(f"{name}={value!r}: give a positive integer")
+    if chunks is not None:
+        positive_int("chunks", chunks)
+    if chunk_lengths is not None:
+        lengths = list(chunk_lengths)
+        if not lengths or any(whole(c) is None or whole(c) < 1 for c in lengths):
+            raise SppoError(f"chunk_lengths={lengths}: every chunk needs a whole number of tokens >= 1 "
+                            "(and together they sum to the sequence length)")
+    positive_int("stages", stages)
+    positive_int("microbatches", microbatches)
+    if schedule not in SCHEDULES:
+        raise SppoError(f"schedule={schedule!r}: choose one of {', '.join(map(repr, SCHEDULES))}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise SppoError(f"timeout_s={timeout_s!r}: give the seconds a rank waits for a peer, > 0")
+    if offload is not None:
+        from sppo_fx.runtime.store import TIERS
+        if offload not in TIERS:
+            raise SppoError(f"offload={offload!r}: choose one of {', '.join(map(repr, TIERS))} (or None)")
+    if offload_dir is not None and not os.path.isdir(offload_dir):
+        raise SppoError(f"offload_dir={offload_dir!r} does not exist (or is not a directory): create it "
+                        "or give an existing one")
 
 
 def _wrap(obj, options: CompileOptions) -> SppoCompiled:

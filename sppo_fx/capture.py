@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
-from sppo_fx.errors import SppoError
+from sppo_fx.errors import SppoError, describe_node
 
 
 def extract_loss(output) -> torch.Tensor:
@@ -230,6 +230,7 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
     except Exception as e:  # noqa: BLE001 - re-raised with what to change
         raise SppoError(f"torch.export could not trace the model with a dynamic sequence length: "
                         f"{type(e).__name__}: {e}") from e
+    refuse_random_ops(program)
     sig = program.graph_signature
     user_inputs = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     param_fqns = {}
@@ -255,6 +256,31 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
     return Captured(module=module, program=program, seq=seq, seq_range=(lo, hi),
                     param_fqns=param_fqns, input_names=user_inputs, input_seq_dims=seq_dims,
                     input_labels=input_labels(args, kwargs, target))
+
+
+#: ops whose results depend on the random number generator's state (dropout in training
+#: mode and the like): the chunked program draws its numbers in another order than the
+#: model, so loss and gradients would not be the model's
+_RANDOM_OPS = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
+
+
+def refuse_random_ops(program) -> None:
+    """Raise SppoError at the first op of the exported program that draws random numbers."""
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        name = node.target._schema.name.split("::")[-1]
+        if name in _RANDOM_OPS:
+            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+            if not train or p == 0:
+                continue  # the identity
+        elif torch.Tag.nondeterministic_seeded not in node.target.tags or "attention" in name:
+            continue  # attention's dropout_p is refused where attention is analysed (passes/seqdim.py)
+        raise SppoError(f"{describe_node(node)} draws random numbers (dropout in training mode): chunks run "
+                        "in another order than the model, so the random mask and hence loss and gradients "
+                        "would differ from the model's. Call model.eval() or set the dropout probability "
+                        "to 0 to train with sppo_fx")
 
 
 def strip_asserts(gm: fx.GraphModule) -> fx.GraphModule:

@@ -116,3 +116,29 @@ def hand():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+class StoreTraffic:
+    """Counts what goes through an ActivationStore: bytes handed to `offload` and bytes
+    `wait` returned, wrapping the instance's methods (the store's own counters say what is
+    in the tier now and at most; these say what moved in total)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.offloaded_bytes = self.read_bytes = self.offloads = 0
+        offload, wait = store.offload, store.wait
+        seen = set()
+
+        def counted_offload(tensor, *args, **kwargs):
+            self.offloads += 1
+            self.offloaded_bytes += tensor.numel() * tensor.element_size()
+            return offload(tensor, *args, **kwargs)
+
+        def counted_wait(handle):
+            t = wait(handle)
+            if id(handle) not in seen:  # repeated waits on one handle return the same tensor
+                seen.add(id(handle))
+                self.read_bytes += t.numel() * t.element_size()
+            return t
+
+        store.offload, store.wait = counted_offload, counted_wait

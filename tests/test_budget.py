@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_program
+from conftest import StoreTraffic, tiny_program
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -155,26 +155,45 @@ def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, 
     ref = grads_of(ref_loss)
     offload = {(0, i): (float("inf") if q is None else q) for i, q in enumerate(quotas[:plan.num_chunks])}
     with ActivationStore("disk", dir=str(tmp_path_factory.mktemp("store")), reuse_files=reuse) as store:
+        traffic = StoreTraffic(store)
         loss = chunked_loss(program, params, [x, y], plan, store=store, offload=offload, min_offload_bytes=0,
                             copy_window_bytes=window)
         got = grads_of(loss)
         assert store.bytes_offloaded == 0
     assert torch.equal(loss, ref_loss)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    # the plan moved what it says: every chunk saves small tensors (norm statistics), so a
+    # quota of 16 KiB or more offloads something; quotas of 0 or 1 byte offload nothing
+    chunk_quotas = quotas[:plan.num_chunks]
+    if any(q is None or q >= 2**14 for q in chunk_quotas):
+        assert traffic.offloaded_bytes > 0 and store.peak_bytes_offloaded > 0, (chunk_quotas, traffic.offloads)
+    if all(q is not None and q <= 1 for q in chunk_quotas):
+        assert traffic.offloaded_bytes == 0
+    assert store.peak_bytes_offloaded <= traffic.offloaded_bytes
+    assert traffic.read_bytes == traffic.offloaded_bytes  # all of it came back and was used
 
 
 def test_every_saved_tensor_on_disk_through_the_api(tmp_path):
     model, _, _ = tiny_program("llama")
-    x, y = torch.randint(0, 97, (2, 64)), torch.randint(0, 97, (2, 64))
+    # 128-token chunks: the hidden states (2 x 128 x 128 fp32, 128 KiB) pass the executor's
+    # 64 KiB offload threshold (with 16-token chunks nothing would)
+    x, y = torch.randint(0, 97, (2, 512)), torch.randint(0, 97, (2, 512))
     plain = sppo_fx.compile(model, chunks=4, compile=False)
     loss = plain(x, y)
     loss.backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     offloaded = sppo_fx.compile(model, chunks=4, compile=False, offload="disk", offload_dir=str(tmp_path))
+    traffic = StoreTraffic(offloaded.store)
     loss2 = offloaded(x, y)
+    # between forward and backward, chunks 0-2's saved activations are files in offload_dir
+    on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    held = offloaded.store.bytes_offloaded
+    assert held > 0 and on_disk >= held, (held, on_disk)
+    assert traffic.offloaded_bytes >= held
     loss2.backward()
     assert torch.equal(loss, loss2) and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), ref))
+    assert offloaded.store.bytes_offloaded == 0 and traffic.read_bytes == traffic.offloaded_bytes
 
 
 def test_budget_api_plans_offload_and_stays_exact(tmp_path):

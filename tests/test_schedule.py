@@ -612,15 +612,46 @@ def random_compute_orders(draw):
     return P, M, N, orders
 
 
+def compute_orders_can_finish(P, M, N, orders) -> bool:
+    """Whether the ranks' compute orders can all run to the end when every send is
+    buffered: repeatedly run any rank's next action whose dependencies are done (F after
+    the previous chunk's F and the previous stage's F; B after the next stage's B, or the
+    last chunk's F on the last stage, and after the next chunk's B)."""
+    done, pos = set(), {s: 0 for s in range(P)}
+
+    def ready(a):
+        s, m, i = a.key
+        if a.kind is K.F:
+            deps = [(K.F, s, m, i - 1)] * (i > 0) + [(K.F, s - 1, m, i)] * (s > 0)
+        else:
+            deps = [(K.F, s, m, N - 1) if s == P - 1 else (K.B, s + 1, m, i)]
+            deps += [(K.B, s, m, i + 1)] * (i < N - 1)
+        return all(Action(*d) in done for d in deps)
+
+    progress = True
+    while progress:
+        progress = False
+        for s in range(P):
+            while pos[s] < len(orders[s]) and ready(orders[s][pos[s]]):
+                done.add(orders[s][pos[s]])
+                pos[s] += 1
+                progress = True
+    return all(pos[s] == len(orders[s]) for s in range(P))
+
+
 @given(random_compute_orders())
 @settings(max_examples=150, deadline=None)
 def test_insert_communication_is_deadlock_free_or_rejects(args):
+    """Orders that can finish get a valid schedule; orders that cannot are rejected."""
     P, M, N, orders = args
+    feasible = compute_orders_can_finish(P, M, N, orders)
     try:
         s = insert_communication(P, M, N, orders)
     except ScheduleError as e:
         assert "deadlock" in str(e)
+        assert not feasible, f"rejected compute orders that can run: {e}"
         return
+    assert feasible, "accepted compute orders that cannot all run"
     rep = validate(s)
     for r in range(P):
         assert s.compute_order(r) == orders[r]
@@ -631,18 +662,24 @@ def test_insert_communication_is_deadlock_free_or_rejects(args):
 @settings(max_examples=150, deadline=None)
 def test_validator_on_shuffled_schedules_only_raises_schedule_error(P, M, N, rnd):
     s = one_f_one_b_schedule(P, M, N, offload=all_keys(P, M, N, stages=[0]))
+    original = s.copy()
     r = rnd.randrange(P)
     lst = s.actions[r]
     for _ in range(rnd.randint(1, 3)):
         i, j = rnd.randrange(len(lst)), rnd.randrange(len(lst))
         lst[i], lst[j] = lst[j], lst[i]
-    if rnd.random() < 0.3:
+    deleted = rnd.random() < 0.3
+    if deleted:
         del lst[rnd.randrange(len(lst))]
     try:
         validate(s)
     except ScheduleError as e:
         assert e.action is not None
         assert str(e.action) in str(e)
+        assert s != original, f"the unchanged schedule was rejected: {e}"
+    else:
+        # every action of a generated schedule is needed: one deleted can never validate
+        assert not deleted, f"a schedule with a deleted action was accepted:\n{s}"
 
 
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 4), st.randoms(use_true_random=False))

@@ -122,11 +122,42 @@ def test_sequence_aware_ratios_and_memory_top_up():
     assert sum(tight.offload_ratios[0]) > sum(r[0])
 
 
-def test_plan_simulation_reproduces_the_plan_with_events():
+def test_plan_simulation_events_carry_out_the_plan():
+    """The recorded events are the plan's: every chunk's forward and backward once per
+    rank, in dependency order, one compute at a time; an offload and a read-back of equal
+    size exactly for the chunks the plan offloads, each read back before its backward; the
+    last event ends at the plan's step time, the busiest rank computes for the events' sum."""
     res = plan_config("gpt-7b", "128K", 16, "h100", stages=4, chunks=8)
+    assert res.feasible and res.tier == "host"
     sim = plan_simulation(res)
-    assert sim.events and sim.max_peak_bytes == pytest.approx(res.peak_bytes_per_gpu)
-    assert sim.step_seconds == pytest.approx(res.pipeline_seconds)
+    P, N = res.stages, res.chunks
+    assert max(e.end for e in sim.events) == pytest.approx(res.pipeline_seconds)
+    for r in range(P):
+        ev = [e for e in sim.events if e.rank == r]
+        compute = sorted((e for e in ev if e.resource == "compute"), key=lambda e: e.start)
+        for a, b in zip(compute, compute[1:]):
+            assert b.start >= a.end - 1e-12, (a, b)  # one compute at a time
+        fwd = {e.name: e for e in compute if e.category == "forward"}
+        bwd = {e.name: e for e in compute if e.category == "backward"}
+        assert sorted(fwd) == sorted(f"{r}F0.{i}" for i in range(N))
+        assert sorted(bwd) == sorted(f"{r}B0.{i}" for i in range(N))
+        for i in range(N - 1):
+            assert fwd[f"{r}F0.{i + 1}"].start >= fwd[f"{r}F0.{i}"].end - 1e-12
+            assert bwd[f"{r}B0.{i}"].start >= bwd[f"{r}B0.{i + 1}"].end - 1e-12
+        assert bwd[f"{r}B0.{N - 1}"].start >= fwd[f"{r}F0.{N - 1}"].end - 1e-12
+        assert sum(e.end - e.start for e in compute) == pytest.approx(sim.busy_seconds[r])
+        off = {e.name.replace("OFF", ""): e for e in ev if e.category == "offload"}
+        pre = {e.name.replace("PRE", ""): e for e in ev if e.category == "prefetch"}
+        planned = {f"{r}0.{i}" for i, a in enumerate(res.offload_ratios[r]) if a > 0}
+        assert set(off) == set(pre) == planned, (r, sorted(off), res.offload_ratios[r])
+        for key, e in off.items():
+            i = int(key.split(".")[1])
+            assert e.start >= fwd[f"{r}F0.{i}"].start - 1e-12 and e.nbytes > 0
+            assert pre[key].nbytes == pytest.approx(e.nbytes) and pre[key].start >= e.end - 1e-12
+            assert bwd[f"{r}B0.{i}"].start >= pre[key].end - 1e-12  # back before its backward
+        assert sum(e.nbytes for e in off.values()) == pytest.approx(sim.offloaded_bytes[r])
+        assert max(b for _t, b in sim.memory_timeline[r]) == pytest.approx(sim.peak_bytes[r])
+    assert max(sim.peak_bytes.values()) == pytest.approx(res.peak_bytes_per_gpu)
 
 
 def test_nothing_fits_names_the_minimum_memory(capsys):

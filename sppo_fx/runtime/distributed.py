@@ -17,14 +17,16 @@ pair up exactly. Every wait has a timeout: a dead or failing rank makes its peer
 `SppoError` instead of hanging (a failing rank records its error in the rendezvous store,
 then closes its connections, so the error propagates along the pipeline).
 
-At start, ranks exchange a fingerprint (parameters, plan, schedule) and refuse to run
-when they disagree, saying what differs.
+At start, ranks exchange a fingerprint (the model's graph and stage programs, parameter
+names, shapes and dtypes, a checksum of sampled parameter values, plan, schedule, input
+shapes) and refuse to run when they disagree, saying what differs.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import json
+import threading
 import time
 
 import torch
@@ -40,6 +42,7 @@ DEFAULT_TIMEOUT_S = 60.0
 _ERROR_KEY = "sppo_fx/error"
 _TAG_SHARED = 1 << 24  # + parameter index: tied-parameter gradients
 _TAG_LOSS = 1 << 25
+_STORE_WAIT_S = 2.0  # longest wait for the rendezvous store while handling a failure
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> tuple[int, int]:
@@ -54,19 +57,54 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = No
     return dist.get_rank(), dist.get_world_size()
 
 
-def fingerprint(program: ChunkedProgram, param_shapes: dict[str, tuple], plan: Plan, schedule: Schedule,
-                microbatch_shapes: list) -> dict[str, str]:
-    """What every rank must agree on, as short digests."""
-    def digest(obj) -> str:
-        return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+_SAMPLE = 1024  # values per parameter in the value checksum
+
+
+def _digest(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def values_checksum(named: list[tuple[str, torch.Tensor]]) -> str:
+    """A digest of the exact bytes of up to `_SAMPLE` evenly spaced values of each tensor
+    (all of them for small ones): equal for equal tensors on any device; different when a
+    rank initialised or loaded its weights differently. Meta tensors count by shape only."""
+    h = hashlib.sha1()
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        h.update(name.encode())
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE]
+        h.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+def fingerprint(graphs: list, params: list[tuple[str, torch.Tensor]], plan: Plan, schedule: Schedule,
+                microbatch_shapes: list, shared: list[str] = (), check_values: bool = True) -> dict[str, str]:
+    """What every rank must agree on, as short digests.
+
+    Args:
+        graphs: the analysed model graph and every stage's programs (their generated code).
+        params: (name, tensor) of every model parameter.
+        plan / schedule / microbatch_shapes: this step's chunking, schedule, input shapes.
+        shared: names of the parameters several stages use (tied embeddings): their values
+            must agree at every build, since each rank computes with its own copy.
+        check_values: also compare every parameter's values (the ranks' starting point:
+            after steps, each rank has updated only its own stage's parameters).
+    """
     # memory actions are each rank's own business (its budget plan); the rest must match
     comm = [[str(a) for a in acts if not a.kind.is_memory] for _r, acts in sorted(schedule.actions.items())]
-    return {
-        "model parameters": digest(sorted((k, list(v)) for k, v in param_shapes.items())),
-        "plan (chunk lengths)": digest(plan.chunk_lengths),
-        "schedule": digest(comm),
-        "micro-batch input shapes": digest(microbatch_shapes),
+    out = {
+        "model graph": _digest([g.code for g in graphs]),
+        "parameter names, shapes and dtypes": _digest(sorted((k, list(v.shape), str(v.dtype)) for k, v in params)),
+        "plan (chunk lengths)": _digest(plan.chunk_lengths),
+        "schedule": _digest(comm),
+        "micro-batch input shapes": _digest(microbatch_shapes),
+        "values of parameters several stages share": values_checksum([(k, v) for k, v in params if k in set(shared)]),
     }
+    if check_values:
+        out["parameter values (sampled)"] = values_checksum(params)
+    return out
 
 
 def check_agreement(local: dict[str, str], rank: int, world: int):
@@ -77,7 +115,7 @@ def check_agreement(local: dict[str, str], rank: int, world: int):
     if diffs:
         detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}={g[k]}" for r, g in enumerate(gathered)) for k in diffs)
         raise SppoError(f"ranks disagree on {', '.join(diffs)} ({detail}). Every rank must build the same "
-                        "model, inputs shapes, plan and schedule")
+                        "model (same code, parameters and starting values), input shapes, plan and schedule")
 
 
 class PipelineExecutor:
@@ -115,6 +153,7 @@ class PipelineExecutor:
         # time F/B spent waiting for a peer's tensor is a separate "wait:<action>" entry
         self.timeline: list[tuple[str, float, float]] = []
         self._compute_start = None
+        self._store_stuck = False  # a store call timed out (see _store_call)
 
     # ---- point-to-point with timeouts --------------------------------------------------
     def _tag(self, direction: int, mb: int, chunk: int, index: int) -> int:
@@ -140,13 +179,26 @@ class PipelineExecutor:
                             f"{self.timeout_s:.0f} s ({self._peer_error() or type(e).__name__ + ': ' + str(e).splitlines()[0]})") from e
 
     def _peer_error(self) -> str | None:
-        try:
+        def read():
             store = dist.distributed_c10d._get_default_store()
-            if store.check([_ERROR_KEY]):
-                return store.get(_ERROR_KEY).decode()
-        except Exception:  # noqa: BLE001 - the store may be gone with the failed rank
+            return store.get(_ERROR_KEY).decode() if store.check([_ERROR_KEY]) else None
+        return self._store_call(read)
+
+    def _store_call(self, fn):
+        """fn()'s result, or None if it raises or takes longer than `_STORE_WAIT_S`: the
+        rendezvous store is served by rank 0, which may be the rank that hangs (a stopped
+        process keeps its sockets open, so a store call would block for the store's own
+        timeout). After one call times out the store is not used again."""
+        if self._store_stuck:
             return None
-        return None
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+        worker.start()
+        worker.join(min(_STORE_WAIT_S, self.timeout_s))
+        if worker.is_alive():
+            self._store_stuck = True
+            return None
+        return result[0] if result else None
 
     def _received(self, pending, what):
         bufs, works, peer = pending
@@ -165,12 +217,11 @@ class PipelineExecutor:
             raise
 
     def _fail(self, error: BaseException):
-        try:
+        def record():
             store = dist.distributed_c10d._get_default_store()
             if not store.check([_ERROR_KEY]):
                 store.set(_ERROR_KEY, f"rank {self.rank} raised {type(error).__name__}: {error}".splitlines()[0])
-        except Exception:  # noqa: BLE001
-            pass
+        self._store_call(record)
         try:  # closing our connections makes peers blocked on us fail now, not at their timeout
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001

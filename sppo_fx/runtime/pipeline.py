@@ -61,7 +61,7 @@ class PipelineState:
 
 
 def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank: int, world: int,
-                   chunk_fn_factory=None, store=None) -> PipelineState:
+                   chunk_fn_factory=None, store=None, check_values: bool = True) -> PipelineState:
     """Capture, split and schedule; check that all ranks agree.
 
     Args:
@@ -73,6 +73,8 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank:
         rank / world: this rank and the number of ranks (= stages).
         chunk_fn_factory: builds the chunk runner from a GraphModule (Inductor), or None.
         store: the ActivationStore when options.offload is set.
+        check_values: compare every parameter's values across ranks (before the first step;
+            later each rank has updated only its own stage's parameters).
 
     Returns:
         The PipelineState of this rank.
@@ -109,8 +111,10 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank:
         schedule = with_offload(schedule, {(s, m, i) for s in range(world) for m in range(len(microbatches))
                                            for i in range(plan.num_chunks - 1)})
     shapes = [[list(t.shape) for t in flatten_call(*mb)[0] if isinstance(t, torch.Tensor)] for mb in microbatches]
-    param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    check_agreement(fingerprint(program, param_shapes, plan, schedule, shapes), rank, world)
+    named = list(cap.module.named_parameters(remove_duplicate=False))  # names as in cap.param_fqns
+    graphs = [graph] + [g for prog in programs for g in (prog.prologue, prog.chunk, prog.epilogue) if g is not None]
+    check_agreement(fingerprint(graphs, named, plan, schedule, shapes, shared=list(shared_ids),
+                                check_values=check_values), rank, world)
     chunk_fn = chunk_fn_factory(program.chunk) if chunk_fn_factory else None
     executor = PipelineExecutor(program, params, plan, schedule, rank, world, chunk_fn, options.timeout_s, shared,
                                 store, quota)
