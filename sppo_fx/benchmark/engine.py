@@ -11,8 +11,9 @@ the machine's drift between processes cancels), and their spread (min..max) is k
 memory and gradient difference are the worst of the rounds.
 
 A ratio whose denominator is within noise of zero is None (printed "–" with a footnote):
-the noise of a figure is the larger of a floor (NOISE_FLOOR_BYTES, NOISE_FLOOR_S) and the
-figure's own spread over rounds.
+the noise of a peak is the larger of NOISE_FLOOR_BYTES and the baseline's spread of peaks
+over rounds (a baseline that measured 0 in one round and 60 MiB in another says nothing);
+the noise of a step time is NOISE_FLOOR_S.
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def run_row(cfg: BenchConfig, grads_out: str | None, timeout: float | None = Non
         [grads_out] if grads_out else [])
     # A fixed mmap threshold makes glibc return every large freed block to the OS, so RSS
     # follows live tensors (its dynamic threshold would keep freed gradients resident).
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    malloc = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    env = dict(os.environ, **malloc)
     if cfg.is_anchor or cfg.stages == 1:
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -67,7 +69,8 @@ def run_row(cfg: BenchConfig, grads_out: str | None, timeout: float | None = Non
             return {"error": _error_line(res.stderr) or f"exit code {res.returncode}"}
         return json.loads(res.stdout.strip().splitlines()[-1])
     from sppo_fx.runtime.launch import start_local_ranks
-    procs = start_local_ranks(cmd, cfg.stages, env=env)
+    # start_local_ranks sets each rank's environment itself: pass the malloc settings through env(1)
+    procs = start_local_ranks(["env"] + [f"{k}={v}" for k, v in malloc.items()] + cmd, cfg.stages)
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired:
@@ -214,7 +217,7 @@ def add_ratios(rows: list[dict], baseline: str | None) -> tuple[dict | None, lis
     notes = []
     for r in ok:
         if base is not None:
-            t_noise = _noise(base["step_by_round"], NOISE_FLOOR_S)
+            t_noise = NOISE_FLOOR_S
             m_noise = _noise(base["peak_by_round"], NOISE_FLOOR_BYTES)
             per_round = [ratio(a, b, t_noise) for a, b in zip(r["step_by_round"], base["step_by_round"])]
             r["time_ratios"] = per_round
@@ -239,5 +242,5 @@ def add_ratios(rows: list[dict], baseline: str | None) -> tuple[dict | None, lis
                          "to it means nothing; use a longer sequence or another --baseline")
     if "time" in notes:
         footnotes.append(f"– time ratio: {base['label']}'s step time is within noise of zero "
-                         f"(≤ {_noise(base['step_by_round'], NOISE_FLOOR_S) * 1e3:.1f} ms)")
+                         f"(≤ {NOISE_FLOOR_S * 1e3:.1f} ms)")
     return base, footnotes
