@@ -29,8 +29,9 @@ def _spread(values) -> str:
     return f" ({min(vals):.2f}..{max(vals):.2f})" if len(vals) > 1 else ""
 
 
-def format_table(rows: list[dict], baseline: dict | None, footnotes: list[str]) -> str:
-    """The results table: measured, ratios to the baseline, predicted beside measured."""
+def format_table(rows: list[dict], baseline: dict | None, footnotes: list[str], fmt: str = "simple") -> str:
+    """The results table: measured, ratios to the baseline, predicted beside measured
+    (`fmt`: a tabulate format, e.g. "github" for Markdown)."""
     name = baseline["label"] if baseline else "baseline"
     table = []
     for r in rows:
@@ -52,7 +53,7 @@ def format_table(rows: list[dict], baseline: dict | None, footnotes: list[str]) 
     headers = ["configuration", "step s", f"vs {name}", "peak extra MiB", f"vs {name}", "first call s",
                "budget MiB (fits)", "pred. peak MiB", "meas/pred", "pred. step s", "meas/pred",
                "max |grad - eager|"]
-    text = tabulate(table, headers=headers, disable_numparse=True)
+    text = tabulate(table, headers=headers, tablefmt=fmt, disable_numparse=True)
     notes = list(footnotes)
     if any(r.get("time_ratios") and len(r["time_ratios"]) > 1 for r in rows):
         notes.append(f"vs {name}: median of the per-round ratios (min..max over rounds); peak: the largest round")
