@@ -2,8 +2,8 @@
 anchors marked, the Pareto front drawn ("what does each GiB of memory cost me in time?").
 
 Written without plotting libraries: an SVG (self-contained, labelled, opens in any
-browser), a PNG (pure Python: zlib + struct; points, front and axes, no text, as the
-labels are in the SVG and the terminal plot), and a text plot for the terminal.
+browser), a PNG (pure Python: zlib + struct; points, front, axes with numbered ticks; the
+points' names are in the SVG and the terminal plot), and a text plot for the terminal.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def write_svg(points: list[Point], path: str, title: str = "") -> None:
         gx = LEFT + k * (W - LEFT - RIGHT) / 5
         gy = H - BOTTOM - k * (H - TOP - BOTTOM) / 5
         out.append(f'<line x1="{gx:.0f}" y1="{TOP}" x2="{gx:.0f}" y2="{H - BOTTOM}" stroke="#ddd"/>'
-                   f'<text x="{gx:.0f}" y="{H - BOTTOM + 15}" text-anchor="middle">{xmax * k / 5:.3g}</text>')
+                   f'<text x="{gx:.0f}" y="{H - BOTTOM + 15}" text-anchor="middle">{xmax * k / 5:.4g}</text>')
         out.append(f'<line x1="{LEFT}" y1="{gy:.0f}" x2="{W - RIGHT}" y2="{gy:.0f}" stroke="#ddd"/>'
                    f'<text x="{LEFT - 6}" y="{gy + 4:.0f}" text-anchor="end">{ymax * k / 5:.3g}</text>')
     out.append(f'<polyline points="{LEFT},{TOP} {LEFT},{H - BOTTOM} {W - RIGHT},{H - BOTTOM}" fill="none" '
@@ -127,9 +127,29 @@ class _Canvas:
                 + chunk(b"IEND", b""))
 
 
+# 3x5 glyphs (rows top to bottom, 3 bits each) for the PNG's tick labels and units
+_GLYPHS = {"0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
+           "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
+           "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "e": "000111111100111",
+           "+": "000010111010000", "-": "000000111000000", "s": "000111100001111", "M": "101111111101101",
+           "i": "010000010010010", "B": "110101110101110", " ": "000000000000000"}
+
+
+def _text(c: "_Canvas", x: int, y: int, text: str, rgb=(0, 0, 0), scale: int = 2, right: bool = False) -> None:
+    if right:
+        x -= len(text) * 4 * scale
+    for k, ch in enumerate(text):
+        bits = _GLYPHS.get(ch, _GLYPHS[" "])
+        for b, on in enumerate(bits):
+            if on == "1":
+                for dx in range(scale):
+                    for dy in range(scale):
+                        c.dot(x + k * 4 * scale + (b % 3) * scale + dx, y + (b // 3) * scale + dy, rgb)
+
+
 def write_png(points: list[Point], path: str) -> None:
     """The picture as a PNG (see the module docstring)."""
-    _, _, to_px = _scale(points)
+    xmax, ymax, to_px = _scale(points)
     front = pareto_front(points)
     c = _Canvas()
     for k in range(6):
@@ -137,6 +157,10 @@ def write_png(points: list[Point], path: str) -> None:
         gy = int(H - BOTTOM - k * (H - TOP - BOTTOM) / 5)
         c.line(gx, TOP, gx, H - BOTTOM, COLORS["grid"])
         c.line(LEFT, gy, W - RIGHT, gy, COLORS["grid"])
+        _text(c, gx - 12, H - BOTTOM + 8, f"{xmax * k / 5:.4g}")
+        _text(c, LEFT - 6, gy - 5, f"{ymax * k / 5:.3g}", right=True)
+    _text(c, W - RIGHT - 40, H - BOTTOM + 28, "MiB")
+    _text(c, LEFT - 30, TOP - 20, "s")
     c.line(LEFT, TOP, LEFT, H - BOTTOM, COLORS["axis"], 2)
     c.line(LEFT, H - BOTTOM, W - RIGHT, H - BOTTOM, COLORS["axis"], 2)
     for a, b in zip(front, front[1:]):
