@@ -216,3 +216,23 @@ def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     assert budgeted["predicted_step_s"] > 0 and "time_vs_predicted" in budgeted
     assert "pred. peak MiB" in stdout and "vs checkpoint" in stdout and "[round 1/1, 4/4]" in err
     assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p.svg").exists()
+
+
+def test_memory_script_names_map_to_engine_rows():
+    """bench/memory.py is a front end: its configuration names become the engine's rows."""
+    import argparse
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "memory.py")
+    spec = importlib.util.spec_from_file_location("bench_memory", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = argparse.Namespace(chunks=8, sppo_compile=True, tier=None)
+    base = BenchConfig(size="bench", seq_len=4096)
+    rows = [mod.config_for(n, base, args) for n in mod.CONFIGS + ["sppo-skel-25%"]]
+    assert [r.label for r in rows] == ["eager", "checkpoint", "compile-amb:0.5", "sppo chunks=8 compile=on",
+                                       "sppo budget=50% compile=on", "sppo budget=25% compile=on",
+                                       "sppo budget=25% skeleton=offload compile=on"]
+    assert all(r.seq_len == 4096 for r in rows)
+    with pytest.raises(SppoError, match="sppo-N%"):
+        mod.config_for("sppo-lots", base, args)
