@@ -52,7 +52,7 @@ def format_table(rows: list[dict], baseline: dict | None, footnotes: list[str], 
             DASH if diff is None else f"{diff:.1e}"])
     headers = ["configuration", "step s", f"vs {name}", "peak extra MiB", f"vs {name}", "first call s",
                "budget MiB (fits)", "pred. peak MiB", "meas/pred", "pred. step s", "meas/pred",
-               "max |grad - eager|"]
+               "max grad diff vs eager"]
     text = tabulate(table, headers=headers, tablefmt=fmt, disable_numparse=True)
     notes = list(footnotes)
     if any(r.get("time_ratios") and len(r["time_ratios"]) > 1 for r in rows):
