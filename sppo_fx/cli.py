@@ -125,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
                          help="whose plan to trace")
     p_trace.add_argument("--summary", action="store_true", help="also print a text summary and an ASCII timeline of the trace")
     p_trace.set_defaults(func=_trace)
-    from sppo_fx import benchgrid
-    p_bench = sub.add_parser("bench", help="a grid of pass configurations (chunks, offload tiers, stages, "
-                                           "compile), each run in its own process; table + JSON/CSV")
-    benchgrid.add_arguments(p_bench)
-    p_bench.set_defaults(func=benchgrid.main)
+    from sppo_fx.benchmark import cli as bench_cli
+    p_bench = sub.add_parser("bench", help="a grid of anchors (eager, torch.compile, checkpointing) and pass "
+                                           "configurations (budget, chunks, offload, stages, ...), each row in "
+                                           "its own process; table, JSON/CSV, Pareto picture",
+                             description=bench_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_cli.add_arguments(p_bench)
+    p_bench.set_defaults(func=bench_cli.main)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,168 @@
+"""One benchmark row, run in its own process (fresh allocator, caches and RSS high-water).
+
+    python -m sppo_fx.benchmark.worker '<BenchConfig JSON>' <gradients file>
+
+Prints one JSON line of measurements (the last line of stdout) and saves the parameter
+gradients of the last step to the gradients file (the engine compares them with eager's).
+
+Measured:
+- first_s: the first call (capture, solving, compiling, calibrating, and one step);
+- step_s: median of the timed steps after it;
+- peak_extra_bytes: on a CPU the process's RSS high-water (VmHWM, reset just before each
+  timed step) minus its RSS at that point, gradients freed; on CUDA
+  `max_memory_allocated` (peak stats reset) minus `memory_allocated` at the same point.
+  Activations, temporaries and parameter gradients all count; the largest over the steps;
+- predicted_peak_bytes / predicted_step_s: what the library's plan predicts (library rows).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from sppo_fx.benchmark.config import BenchConfig
+from sppo_fx.errors import InfeasibleBudget
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_rss_high_water() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := current RSS
+
+
+def _anchor_step(cfg: BenchConfig, model, x, y):
+    if cfg.kind == "checkpoint":
+        from torch.utils.checkpoint import checkpoint
+        for block in getattr(model, "layers", None) or model.h:
+            block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(block.forward)
+    if cfg.kind in ("compile", "compile-amb"):
+        if cfg.kind == "compile-amb":
+            import torch._functorch.config as functorch_config
+            functorch_config.activation_memory_budget = cfg.amb
+        fn = torch.compile(model)
+    else:
+        fn = model
+
+    def step():
+        loss = fn(x, y)
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def _library(cfg: BenchConfig, model, budget):
+    import sppo_fx
+    return sppo_fx.compile(model, budget=budget, chunks=cfg.chunks, compile=cfg.compile, stages=cfg.stages,
+                           microbatches=cfg.microbatches, schedule=cfg.schedule, partition=cfg.partition,
+                           recompute=cfg.recompute, skeleton=cfg.skeleton, offload_dir=cfg.offload_dir,
+                           offload=cfg.offload or (("host" if cfg.device == "cuda" else "disk") if budget else None),
+                           timeout_s=300)
+
+
+def _minimum_budget(cfg: BenchConfig, model, x, y) -> int:
+    """The solver's smallest feasible budget for this row (from InfeasibleBudget)."""
+    probe = _library(cfg, model, 1)
+    try:
+        probe(x, y)
+    except InfeasibleBudget as e:
+        return e.minimum_bytes
+    raise AssertionError("a 1-byte budget was accepted")
+
+
+def _prediction(compiled) -> tuple[int | None, float | None]:
+    """(predicted peak bytes, predicted step seconds) of the plan that ran.
+
+    A budget plan carries both; a pipeline plan chosen by the solver carries a step time.
+    A plan without a budget carries neither (`Plan.peak_bytes` is set only by the budget
+    solver), so those rows show no prediction."""
+    plan = compiled.plan
+    peak, seconds = getattr(plan, "peak_bytes", None), getattr(plan, "step_seconds", None)
+    pred = compiled.pipeline_prediction() if compiled.options.stages > 1 else None
+    if seconds is None and pred:
+        seconds = pred[0].step_seconds
+    return peak, seconds
+
+
+def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
+    """Run one row in this process (one rank of it when stages > 1); its measurements."""
+    from sppo_fx.models import build
+    rank = 0
+    if cfg.kind == "sppo" and cfg.stages > 1:
+        from sppo_fx.runtime.distributed import init_from_env
+        rank, _ = init_from_env(300)
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model = build(cfg.model, cfg.size)
+    if cuda or dtype != torch.float32:
+        model = model.to(device=device, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    v = model.config.vocab_size
+    x = torch.randint(0, v, (cfg.batch, cfg.seq_len), generator=gen).to(device)
+    y = torch.randint(0, v, (cfg.batch, cfg.seq_len), generator=gen).to(device)
+    out: dict = {"rank": rank}
+    compiled = None
+    if cfg.is_anchor:
+        step = _anchor_step(cfg, model, x, y)
+    else:
+        budget = cfg.budget_bytes
+        if cfg.budget == "min":
+            budget = _minimum_budget(cfg, model, x, y)
+            out["budget_bytes"] = budget
+        compiled = _library(cfg, model, budget)
+        step = lambda: compiled.step(x, y)  # noqa: E731
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    barrier = torch.distributed.barrier if compiled is not None and cfg.stages > 1 else (lambda: None)
+    model.zero_grad(set_to_none=True)
+    t = time.perf_counter()
+    loss = step()
+    sync()
+    out["first_s"] = time.perf_counter() - t
+    times, peaks = [], []
+    for _ in range(cfg.steps):
+        model.zero_grad(set_to_none=True)
+        barrier()
+        sync()
+        if cuda:
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            base = _rss("VmRSS")
+            _reset_rss_high_water()
+        t = time.perf_counter()
+        loss = step()
+        sync()
+        times.append(time.perf_counter() - t)
+        peaks.append((torch.cuda.max_memory_allocated(device) if cuda else _rss("VmHWM")) - base)
+    out.update(step_s=statistics.median(times), step_times=times, peak_extra_bytes=max(max(peaks), 0),
+               loss=float(loss))
+    if compiled is not None:
+        out["predicted_peak_bytes"], out["predicted_step_s"] = _prediction(compiled)
+        plan = compiled.plan
+        out["plan"] = {"chunks": plan.num_chunks, "recompute": plan.recompute, "skeleton": plan.skeleton,
+                       "offloaded_chunks": sum(1 for a in plan.offload_ratios or () if a > 0)}
+    if cuda:
+        out["gpu"] = torch.cuda.get_device_name(device)
+    if grads_out:
+        grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        torch.save(grads, grads_out if rank == 0 else f"{grads_out}.rank{rank}")
+    if compiled is not None and cfg.stages > 1:
+        torch.distributed.destroy_process_group()
+    return out
+
+
+if __name__ == "__main__":
+    result = run_config(BenchConfig(**json.loads(sys.argv[1])), sys.argv[2] if len(sys.argv) > 2 else None)
+    print(json.dumps(result))
