@@ -197,6 +197,18 @@ def flatten_call(args: tuple, kwargs: dict, target) -> tuple[list, pytree.TreeSp
     return leaves, spec, slots
 
 
+def _distinct(tensors) -> list[torch.Tensor]:
+    """The example inputs, each with storage of its own: torch.export binds inputs that are
+    one object (model(x, x)) to one placeholder, and the program would then read the first
+    input where the user later passes a different second one (a silently wrong loss)."""
+    out, seen = [], set()
+    for t in tensors:
+        key = t.untyped_storage().data_ptr() if t.numel() else None
+        out.append(t.clone() if key is not None and key in seen else t)
+        seen.add(key)
+    return out
+
+
 def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | None, args: tuple,
             kwargs: dict, target, seq_dim: int) -> Captured:
     """Export `model` (+ `fn` / `loss_fn`) on example inputs with a dynamic sequence length.
@@ -213,7 +225,7 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
         A `Captured`. Raises `SppoError` if no input has a sequence dim or export fails.
     """
     leaves, spec, slots = flatten_call(args, kwargs, target)
-    tensors = [leaves[i] for i in slots]
+    tensors = _distinct(leaves[i] for i in slots)
     candidates = [t for t in tensors if t.dim() > seq_dim]
     if not candidates:
         raise SppoError(f"no input tensor has a dim {seq_dim} (seq_dim={seq_dim}); pass token ids "

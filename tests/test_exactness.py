@@ -155,3 +155,13 @@ def test_no_grad_call_returns_the_loss():
         ref = model(x, y)
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
     assert not loss.requires_grad
+
+
+def test_one_tensor_passed_twice_at_trace_is_traced_as_two_inputs():
+    """model(x, x) at the first call must not bind both inputs to one placeholder: the
+    program would read x where a later call passes a different target (wrong loss)."""
+    model = build("llama")
+    x, y = _data(1)
+    compiled = sppo_fx.compile(model, chunks=2, compile=False)
+    torch.testing.assert_close(compiled(x, x), model(x, x))
+    assert_matches_eager(model, lambda m: m(x, y), lambda: compiled(x, y))
