@@ -15,6 +15,10 @@ import functools
 import torch
 import torch.fx as fx
 
+from sppo_fx.log import get_logger, phase
+
+log = get_logger(__name__)
+
 
 @dataclasses.dataclass
 class CodegenStats:
@@ -139,6 +143,13 @@ class CompiledProgram:
 
     def _counting_backend(self, graph: fx.GraphModule, example_inputs):
         self.stats.compiles += 1
+        what = (f"compiling {self.name} program #{self.stats.compiles} "
+                f"({'Inductor' if self.backend == 'inductor' else 'AOTAutograd, eager'}; "
+                f"recompute {self.recompute}{', offload' if self.offload else ''})")
+        with phase(what, log):
+            return self._compile(graph, example_inputs)
+
+    def _compile(self, graph: fx.GraphModule, example_inputs):
         self.stats.graph_inputs.append([tuple(t.shape) if isinstance(t, torch.Tensor) else t
                                         for t in example_inputs])
         if self.backend == "eager":
