@@ -12,8 +12,8 @@ handler) or the environment asks for it:
 
 The CLI and the demo call `enable()` (INFO on stderr).
 
-`phase(name)` is the unit of progress: it logs "name…" when it starts and "name: 12.3 s"
-when it ends, and adds its seconds to every `record_phases()` recorder open at the time,
+`phase(name)` is the unit of progress: it logs "name…" when it starts, "name… 40 s" every
+20 s while it runs, and "name: 52.3 s" when it ends, and adds its seconds to every `record_phases()` recorder open at the time,
 which is how `SppoCompiled.phases` and `bench/first_step.py` report the first call's
 breakdown.
 """
@@ -103,17 +103,31 @@ def record_phases():
             _recorders.remove(rows)
 
 
+HEARTBEAT_S = 20.0
+
+
+def _heartbeat(name: str, logger: logging.Logger, level: int, t0: float, done: threading.Event) -> None:
+    while not done.wait(HEARTBEAT_S):
+        logger.log(level, "%s… %.0f s", name, time.perf_counter() - t0)
+
+
 @contextlib.contextmanager
 def phase(name: str, logger: logging.Logger | None = None, level: int = logging.INFO):
-    """Log `name…` now and `name: N s` when the block ends; record the seconds."""
+    """Log `name…` now, `name… 40 s` every HEARTBEAT_S seconds while it runs, and `name: N s`
+    when the block ends; record the seconds."""
     logger = logger or get_logger(ROOT)
     logger.log(level, "%s…", name)
     depth = getattr(_depth, "n", 0)
     _depth.n = depth + 1
     t0 = time.perf_counter()
+    done = threading.Event()
+    if logger.isEnabledFor(level):
+        threading.Thread(target=_heartbeat, args=(name, logger, level, t0, done), daemon=True,
+                         name="sppo_fx-progress").start()
     try:
         yield
     finally:
+        done.set()
         seconds = time.perf_counter() - t0
         _depth.n = depth
         logger.log(level, "%s: %.1f s", name, seconds)
