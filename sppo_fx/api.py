@@ -98,19 +98,25 @@ class _Entry:
     cost: ChunkCostModel | None = None
     memory: dict = dataclasses.field(default_factory=dict)  # recompute policy -> solver.budget.MemoryModel
     budget_plans: dict = dataclasses.field(default_factory=dict)
-    programs: dict = dataclasses.field(default_factory=dict)  # (recompute, skeleton) -> CompiledProgram
+    programs: dict = dataclasses.field(default_factory=dict)  # (recompute, skeleton, >1 chunk) -> CompiledProgram
 
-    def memory_program(self, options: "CompileOptions", recompute: str, skeleton: str = "keep") -> CompiledProgram:
+    def memory_program(self, options: "CompileOptions", recompute: str, skeleton: str = "keep",
+                       chunks: int = 2) -> CompiledProgram:
         """The compiled chunk program (memory passes: offload nodes with `options.offload`,
         `recompute` regions, in-graph gradient accumulation; with skeleton="offload" the
-        K/V prefix streamed from the skeleton), one per (policy, skeleton)."""
-        prog = self.programs.get((recompute, skeleton))
+        K/V prefix streamed from the skeleton), one per (policy, skeleton), compiled only
+        when a plan uses it. With more than one chunk, chunk 0 (empty K/V prefix) runs the
+        program's AOTAutograd graphs instead of a second Inductor compile
+        (codegen/inductor.py, `eager_empty_prefix`)."""
+        key = (recompute, skeleton, chunks > 1)
+        prog = self.programs.get(key)
         if prog is None:
             from sppo_fx.runtime.local import streamed_chunk
             gm = self.program.chunk if skeleton == "keep" else streamed_chunk(self.program)
             prog = compile_chunk_program(gm, backend="inductor" if options.compile else "eager",
-                                         offload=options.offload is not None, recompute=recompute)
-            self.programs[(recompute, skeleton)] = prog
+                                         offload=options.offload is not None, recompute=recompute,
+                                         eager_empty_prefix=chunks > 1)
+            self.programs[key] = prog
         return prog
 
 
@@ -187,7 +193,7 @@ class SppoCompiled:
         recompute = plan.recompute or ("none" if self.options.recompute == "auto" else self.options.recompute)
         chunk_fn = None  # None: the chunk GraphModule runs op by op under eager autograd
         if self.options.compile or self.options.offload is not None or recompute != "none" or skeleton != "keep":
-            chunk_fn = entry.memory_program(self.options, recompute, skeleton)
+            chunk_fn = entry.memory_program(self.options, recompute, skeleton, plan.num_chunks)
         self._last_chunk_fn = chunk_fn
         return chunked_loss(entry.program, params, tensors, plan, chunk_fn, self.store, quota, skeleton=skeleton)
 

@@ -215,7 +215,7 @@ class CompiledProgram:
 
 
 def compile_chunk_program(gm: fx.GraphModule, *, backend: str = "inductor", offload: bool = False,
-                          recompute: str = "none") -> CompiledProgram:
+                          recompute: str = "none", eager_empty_prefix: bool = True) -> CompiledProgram:
     """Compile the per-chunk program (dynamic shapes, full graph).
 
     Args:
@@ -223,8 +223,11 @@ def compile_chunk_program(gm: fx.GraphModule, *, backend: str = "inductor", offl
         backend: "inductor" or "eager" (see `CompiledProgram`).
         offload: insert offload/prefetch/wait nodes for saved activations.
         recompute: recompute policy ("none", "cheap", "full").
+        eager_empty_prefix: run chunk 0 (empty K/V prefix) without Inductor (see
+            `CompiledProgram`); False when chunk 0 is the whole sequence.
 
     Returns:
         The `CompiledProgram`.
     """
-    return CompiledProgram(gm, "chunk", backend=backend, offload=offload, recompute=recompute)
+    return CompiledProgram(gm, "chunk", backend=backend, offload=offload, recompute=recompute,
+                           eager_empty_prefix=eager_empty_prefix)
