@@ -29,6 +29,7 @@ import torch.fx as fx
 from sppo_fx.capture import Captured, capture, flatten_call
 from sppo_fx.codegen import CompiledProgram, compile_chunk_program
 from sppo_fx.errors import SppoError
+from sppo_fx.log import get_logger, phase
 from sppo_fx.passes import transform
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.passes.seq_chunk import ChunkedProgram
@@ -37,6 +38,7 @@ from sppo_fx.runtime.local import chunked_loss
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths, cost_model_from_graph
 
 DEFAULT_CHUNKS = 4
+log = get_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -98,19 +100,25 @@ class _Entry:
     cost: ChunkCostModel | None = None
     memory: dict = dataclasses.field(default_factory=dict)  # recompute policy -> solver.budget.MemoryModel
     budget_plans: dict = dataclasses.field(default_factory=dict)
-    programs: dict = dataclasses.field(default_factory=dict)  # (recompute, skeleton) -> CompiledProgram
+    programs: dict = dataclasses.field(default_factory=dict)  # (recompute, skeleton, >1 chunk) -> CompiledProgram
 
-    def memory_program(self, options: "CompileOptions", recompute: str, skeleton: str = "keep") -> CompiledProgram:
+    def memory_program(self, options: "CompileOptions", recompute: str, skeleton: str = "keep",
+                       chunks: int = 2) -> CompiledProgram:
         """The compiled chunk program (memory passes: offload nodes with `options.offload`,
         `recompute` regions, in-graph gradient accumulation; with skeleton="offload" the
-        K/V prefix streamed from the skeleton), one per (policy, skeleton)."""
-        prog = self.programs.get((recompute, skeleton))
+        K/V prefix streamed from the skeleton), one per (policy, skeleton), compiled only
+        when a plan uses it. With more than one chunk, chunk 0 (empty K/V prefix) runs the
+        program's AOTAutograd graphs instead of a second Inductor compile
+        (codegen/inductor.py, `eager_empty_prefix`)."""
+        key = (recompute, skeleton, chunks > 1)
+        prog = self.programs.get(key)
         if prog is None:
             from sppo_fx.runtime.local import streamed_chunk
             gm = self.program.chunk if skeleton == "keep" else streamed_chunk(self.program)
             prog = compile_chunk_program(gm, backend="inductor" if options.compile else "eager",
-                                         offload=options.offload is not None, recompute=recompute)
-            self.programs[(recompute, skeleton)] = prog
+                                         offload=options.offload is not None, recompute=recompute,
+                                         eager_empty_prefix=chunks > 1)
+            self.programs[key] = prog
         return prog
 
 
@@ -217,7 +225,7 @@ class SppoCompiled:
         recompute = plan.recompute or ("none" if self.options.recompute == "auto" else self.options.recompute)
         chunk_fn = None  # None: the chunk GraphModule runs op by op under eager autograd
         if self.options.compile or self.options.offload is not None or recompute != "none" or skeleton != "keep":
-            chunk_fn = entry.memory_program(self.options, recompute, skeleton)
+            chunk_fn = entry.memory_program(self.options, recompute, skeleton, plan.num_chunks)
         self._last_chunk_fn = chunk_fn
         return chunked_loss(entry.program, params, tensors, plan, chunk_fn, self.store, quota, skeleton=skeleton)
 
@@ -227,16 +235,18 @@ class SppoCompiled:
         if cached is not None:
             return cached
         from sppo_fx.solver.budget import budget_plan, memory_models, solve
-        from sppo_fx.solver.profiles import calibrate
+        from sppo_fx.solver.profile_cache import device_profile
         o = self.options
         policies = RECOMPUTE_POLICIES if o.recompute == "auto" else (o.recompute,)
         missing = [r for r in policies if r not in entry.memory]
         if missing:
             params = [entry.captured.param_value(n) for n in entry.program.params]
-            for model in memory_models(entry.program, entry.captured.seq, params, missing):
-                entry.memory[model.recompute] = model
+            with phase(f"memory model: saved activations under recompute {'/'.join(missing)} (AOTAutograd "
+                       "partitions)", log):
+                for model in memory_models(entry.program, entry.captured.seq, params, missing):
+                    entry.memory[model.recompute] = model
         device = next((entry.captured.param_value(n).device.type for n in entry.program.params), "cpu")
-        profile = self.profile or calibrate(device, seconds=1.0, dir=o.offload_dir)
+        profile = self.profile or device_profile(device, dir=o.offload_dir)
         self.profile = profile
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
         # the skeleton can only leave the device for a tier; streaming does not skip a
@@ -245,12 +255,16 @@ class SppoCompiled:
         skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
         if windowed and o.skeleton == "auto":
             skeletons = ("keep",)
-        chosen = solve(entry.cost, [entry.memory[r] for r in policies], seq_len, o.budget,
-                       rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half, skeletons=skeletons,
-                       copies_share_compute=device == "cpu",
-                       cache=(profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes) if o.offload == "disk"
-                       else None)
+        with phase(f"solving the budget for {seq_len} tokens", log):
+            chosen = solve(entry.cost, [entry.memory[r] for r in policies], seq_len, o.budget,
+                           rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half,
+                           skeletons=skeletons, copies_share_compute=device == "cpu",
+                           cache=(profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes)
+                           if o.offload == "disk" else None)
         plan = budget_plan(seq_len, chosen, o.budget, o.offload)
+        log.info("plan: %d chunks, recompute %s, K/V skeleton %s, predicted peak %.1f MiB of %.1f MiB",
+                 len(plan.chunk_lengths), plan.recompute, plan.skeleton, plan.peak_bytes / 2**20,
+                 plan.budget_bytes / 2**20)
         entry.budget_plans[seq_len] = plan
         return plan
 
@@ -324,14 +338,18 @@ class SppoCompiled:
                 return entry
         self.plan_for(_seq_len(tensors, seq_dim))  # fail before tracing
         try:
-            cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
-            graph, program = transform(cap, log=self.options.log_passes)
+            with phase("capturing the model (torch.export)", log):
+                cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
+            with phase("graph passes (masks, sequence analysis, chunk program)", log):
+                graph, program = transform(cap, log=self.options.log_passes)
         except SppoError as e:
             if seq_dim == 1:
                 raise
             raise type(e)(f"{e} (the inputs are chunked along seq_dim={seq_dim}: is that their sequence "
                           "dim?)") from e
-        entry = _Entry(cap, graph, program, cost_model_from_graph(graph, cap.seq))
+        with phase("cost model (FLOPs and saved bytes per chunk)", log):
+            cost = cost_model_from_graph(graph, cap.seq)
+        entry = _Entry(cap, graph, program, cost)
         self._cache[key] = entry
         self._last = entry
         return entry

@@ -18,6 +18,9 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from sppo_fx.errors import SppoError, describe_node
+from sppo_fx.log import get_logger
+
+log = get_logger(__name__)
 
 
 def extract_loss(output) -> torch.Tensor:
@@ -235,6 +238,8 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
     dim = torch.export.Dim.DYNAMIC
     dynamic = tuple({seq_dim: dim} if d is not None else None for d in seq_dims)
     module = LossModule(model, fn, loss_fn, spec, leaves, slots)
+    log.info("torch.export: %s with %d input tensor(s), sequence dim %d of length %d marked dynamic",
+             type(model).__name__, len(tensors), seq_dim, length)
     try:
         program = torch.export.export(module, tuple(tensors), dynamic_shapes={"tensors": dynamic}, strict=False)
     except SppoError:
@@ -265,6 +270,8 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
     vr = program.range_constraints.get(seq)
     lo = int(vr.lower) if vr is not None else 2
     hi = float(vr.upper) if vr is not None and vr.upper.is_finite else float("inf")
+    log.info("captured %d nodes, %d parameters/buffers; sequence length %s traced for %d..%s",
+             len(program.graph.nodes), len(param_fqns), seq, lo, hi)
     return Captured(module=module, program=program, seq=seq, seq_range=(lo, hi),
                     param_fqns=param_fqns, input_names=user_inputs, input_seq_dims=seq_dims,
                     input_labels=input_labels(args, kwargs, target))

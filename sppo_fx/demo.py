@@ -2,12 +2,16 @@
 
 The corpus is the Python standard library's own source files (present on every machine
 with Python). Each step draws `batch` windows of `seq_len + 1` bytes; tokens are bytes.
-The first step's gradients are checked against the eager, unchunked model.
+The first step's gradients are checked against the eager, unchunked model. Without
+`--chunks`, eager's peak extra memory is measured first and the model trains under a budget
+that is a fraction of it; the solver's plan, the first call's phases, measured peak against
+the budget and step time against eager are printed.
 """
 from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
 import sysconfig
 import time
 
@@ -15,6 +19,7 @@ import torch
 from tabulate import tabulate
 
 import sppo_fx
+from sppo_fx.log import enable, record_phases, summarize
 from sppo_fx.models import build
 
 
@@ -40,37 +45,117 @@ def sample_batch(corpus: torch.Tensor, batch: int, seq_len: int, gen: torch.Gene
     return windows[:, :-1], windows[:, 1:]
 
 
-def run(steps: int, seq_len: int, chunks: int, batch: int, size: str, lr: float, seed: int,
-        compile: bool = True) -> dict:  # noqa: A002
-    """Train and report; returns the figures it printed (for tests)."""
+def _rss(field: str) -> int:
+    """A /proc/self/status memory field in bytes (0 where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def measured_step(step) -> tuple[float, int]:
+    """(seconds, peak extra bytes) of `step()`: the process's peak RSS during the step (VmHWM,
+    reset first) minus its RSS before it, as bench/memory.py measures on a CPU. Accurate
+    when glibc returns freed blocks to the OS (scripts/demo.sh sets MALLOC_MMAP_THRESHOLD_)."""
+    base = _rss("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pass
+    t0 = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - t0
+    return seconds, max(_rss("VmHWM") - base, 0)
+
+
+def run(steps: int, seq_len: int, chunks: int | None = None, batch: int = 1, size: str = "small",
+        lr: float = 1e-3, seed: int = 0, compile: bool = True,  # noqa: A002
+        budget_fraction: float = 0.3) -> dict:
+    """Train and report; returns the figures it printed (for tests).
+
+    With `chunks` the model trains with that many chunks and no budget; otherwise eager's
+    peak extra memory is measured first and the budget is `budget_fraction` of it.
+    """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     corpus = stdlib_corpus()
     model = build("llama", size, vocab_size=256)
     n_params = sum(p.numel() for p in model.parameters())
-    compiled = sppo_fx.compile(model, chunks=chunks, compile=compile)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     print(f"sppo_fx demo: Llama-style '{size}' model, {n_params / 1e6:.1f}M parameters; "
-          f"{corpus.numel() / 1e6:.1f} MB of standard-library source; batch {batch} x {seq_len} bytes, "
-          f"{chunks} chunks, chunk programs {'compiled by Inductor (the first step includes compilation)' if compile else 'run eagerly'}")
-    report = {"losses": []}
+          f"{corpus.numel() / 1e6:.1f} MB of standard-library source; batch {batch} x {seq_len} bytes; "
+          f"chunk programs {'compiled by Inductor' if compile else 'run op by op (no Inductor)'}", flush=True)
+    report: dict = {"losses": [], "peaks": [], "step_s": []}
+    budget = None
+    if chunks is None:
+        x, y = sample_batch(corpus, batch, seq_len, gen)
+        eager_step = lambda: model(x, y).backward()  # noqa: E731
+        eager_step()  # warm-up: the allocator's and autograd's first-use costs
+        model.zero_grad(set_to_none=True)
+        eager_s, eager_peak = measured_step(eager_step)
+        model.zero_grad(set_to_none=True)
+        budget = max(int(eager_peak * budget_fraction), 1)
+        report.update(eager_peak=eager_peak, eager_s=eager_s, budget=budget)
+        print(f"\neager, whole sequence: peak extra memory {eager_peak / 2**20:.0f} MiB, step {eager_s:.2f} s")
+        print(f"budget: {budget_fraction:.0%} of it = {budget / 2**20:.0f} MiB\n", flush=True)
+        compiled = sppo_fx.compile(model, budget=budget, compile=compile)
+    else:
+        compiled = sppo_fx.compile(model, chunks=chunks, compile=compile)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in range(steps):
         x, y = sample_batch(corpus, batch, seq_len, gen)
-        t0 = time.perf_counter()
-        loss = compiled(x, y)
-        loss.backward()
-        elapsed = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        holder = {}
+
+        def train_step():
+            loss = compiled(x, y)
+            loss.backward()
+            holder["loss"] = loss
+
         if step == 0:
-            print("\nChunk plan:")
+            with record_phases() as phases:
+                elapsed, peak = measured_step(train_step)
+            report["first_step_phases"] = summarize(phases, elapsed)
+            print(f"\nfirst call: {elapsed:.1f} s, of which")
+            print(tabulate([(name, f"{sec:.1f}") for name, sec in report["first_step_phases"]],
+                           headers=["phase", "seconds"]))
+            print("\nThe solver's plan:" if budget is not None else "\nChunk plan:")
             print(compiled.plan.table())
-            report["grad_check"] = _check_grads(model, x, y, loss.detach())
+            report["grad_check"] = _check_grads(model, x, y, holder["loss"].detach())
+        else:
+            elapsed, peak = measured_step(train_step)
+            report["peaks"].append(peak)
+            report["step_s"].append(elapsed)
         opt.step()
-        opt.zero_grad(set_to_none=True)
-        report["losses"].append(loss.item())
+        loss = holder["loss"].item()
+        report["losses"].append(loss)
         if step == 0:
-            print(f"\n{'step':>4}  {'loss':>8}  {'s/step':>7}")
-        print(f"{step:4d}  {loss.item():8.4f}  {elapsed:7.2f}")
+            print(f"\n{'step':>4}  {'loss':>8}  {'s/step':>7}  {'peak extra MiB':>14}")
+            print(f"{step:4d}  {loss:8.4f}  {elapsed:7.2f}  {'(first call)':>14}", flush=True)
+        else:
+            print(f"{step:4d}  {loss:8.4f}  {elapsed:7.2f}  {peak / 2**20:14.0f}", flush=True)
+    if budget is not None and report["peaks"]:
+        _summary(report, compiled.plan)
     return report
+
+
+def _summary(report: dict, plan) -> None:
+    peak, budget, eager_peak = max(report["peaks"]), report["budget"], report["eager_peak"]
+    step_s = statistics.median(report["step_s"])
+    tolerance = 0.10 * budget + 16 * 2**20  # what RSS holds that no plan controls (bench/memory.py)
+    fits = "within the budget" if peak <= budget else (
+        "within the budget's tolerance (10% + 16 MiB)" if peak <= budget + tolerance else "OVER the budget")
+    print(f"\nmeasured peak extra memory {peak / 2**20:.0f} MiB (largest of steps 1-{len(report['peaks'])}) "
+          f"vs budget {budget / 2**20:.0f} MiB: {fits}; predicted {plan.peak_bytes / 2**20:.0f} MiB; "
+          f"eager {eager_peak / 2**20:.0f} MiB ({peak / eager_peak:.0%} of eager)")
+    print(f"step time {step_s:.2f} s (median of steps 1-{len(report['step_s'])}) vs eager {report['eager_s']:.2f} s "
+          f"({step_s / report['eager_s']:.1f}x)")
+    losses = report["losses"]
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
 
 
 def _check_grads(model, x, y, loss):
@@ -100,9 +185,12 @@ def _check_grads(model, x, y, loss):
 
 
 def add_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps")
-    parser.add_argument("--seq-len", type=int, default=4096, help="bytes per sequence")
-    parser.add_argument("--chunks", type=int, default=8, help="sequence chunks")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps")
+    parser.add_argument("--seq-len", type=int, default=2048, help="bytes per sequence")
+    parser.add_argument("--budget", type=float, default=0.3, dest="budget_fraction",
+                        help="memory budget as a fraction of eager's measured peak extra memory")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="train with this many chunks and no budget instead")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--size", default="small", choices=["tiny", "small", "bench"], help="model preset")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -112,5 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.steps, args.seq_len, args.chunks, args.batch, args.size, args.lr, args.seed, args.compile)
+    enable()  # progress lines on stderr (SPPO_FX_LOG=debug adds every pass's graphs)
+    run(args.steps, args.seq_len, args.chunks, args.batch, args.size, args.lr, args.seed, args.compile,
+        args.budget_fraction)
     return 0

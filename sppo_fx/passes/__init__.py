@@ -8,8 +8,10 @@
       -> analyse_seqdims          classify every value along the sequence (node.meta["sppo_seq"])
       -> chunk_program            prologue / per-chunk program / epilogue
 
-Each pass is a function of a GraphModule (and the capture's facts) with no hidden state;
-set `log=True` (or SPPO_FX_LOG_PASSES=1) to print each graph after its pass.
+Each pass is a function of a GraphModule (and the capture's facts) with no hidden state.
+At DEBUG level the logger "sppo_fx.passes" shows the captured graph before the first pass
+and every graph after its pass, with node counts and seconds (`SPPO_FX_LOG=debug`, see
+sppo_fx/log.py; `log=True` / `log_passes=True` / SPPO_FX_LOG_PASSES=1 turn on just these).
 
 The memory passes (`passes.offload`) run later, on the chunk program's AOTAutograd joint
 graph and its forward/backward partition, as the partitioner that codegen hands to
@@ -22,15 +24,33 @@ AOTAutograd:
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import torch.fx as fx
 
 from sppo_fx.capture import Captured, strip_asserts
+from sppo_fx.log import enable, get_logger
 from sppo_fx.passes.causal_mask import recognize_causal_masks
 from sppo_fx.passes.explicit_attention import recognize_explicit_attention
 from sppo_fx.passes.seq_chunk import ChunkedProgram, chunk_program
 from sppo_fx.passes.seqdim import analyse, format_analysis
+
+_log = get_logger(__name__)
+
+
+def _show_passes(flag: bool | None) -> None:
+    """`log=True` (or SPPO_FX_LOG_PASSES=1): this logger at DEBUG, with a handler."""
+    if flag is None:
+        flag = os.environ.get("SPPO_FX_LOG_PASSES", "0").strip() not in ("", "0")
+    if flag:
+        enable(logging.getLogger("sppo_fx").level or logging.WARNING)  # keep the package's level
+        _log.setLevel(logging.DEBUG)
+
+
+def _nodes(gm: fx.GraphModule) -> int:
+    return sum(1 for _ in gm.graph.nodes)
 
 
 def analyse_seqdims(gm: fx.GraphModule, captured: Captured) -> fx.GraphModule:
@@ -44,13 +64,16 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
 
     Args:
         captured: the output of `capture.capture`.
-        log: print each graph after its pass (default: env SPPO_FX_LOG_PASSES=1).
+        log: show each graph before and after its pass (default: env SPPO_FX_LOG_PASSES=1;
+            the "sppo_fx.passes" logger at DEBUG shows them too).
 
     Returns:
         (the analysed captured graph, the ChunkedProgram).
     """
-    log = bool(int(os.environ.get("SPPO_FX_LOG_PASSES", "0"))) if log is None else log
+    _show_passes(log)
     gm = captured.copy_graph()
+    if log_debug := _log.isEnabledFor(logging.DEBUG):
+        _log.debug("---- captured graph (before the passes) ----\n%s", gm.code)
     params = set(captured.param_fqns)
     steps = [
         ("strip_asserts", lambda g: strip_asserts(g)),
@@ -61,16 +84,16 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
         ("analyse_seqdims", lambda g: analyse_seqdims(g, captured)),
     ]
     for name, step in steps:
+        before, t0 = _nodes(gm), time.perf_counter()
         gm = step(gm)
-        if log:
-            print(f"---- after {name} ----")
-            print(format_analysis(gm) if name == "analyse_seqdims" else gm.code)
+        if log_debug:
+            _log.debug("---- after %s (%d -> %d nodes, %.2f s) ----\n%s", name, before, _nodes(gm),
+                      time.perf_counter() - t0, format_analysis(gm) if name == "analyse_seqdims" else gm.code)
     param_order = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in params]
     program = chunk_program(gm, captured.seq, param_order, captured.input_names)
-    if log:
+    if log_debug:
         for name in ("prologue", "chunk", "epilogue"):
-            print(f"---- chunk_program: {name} ----")
-            print(getattr(program, name).code)
+            _log.debug("---- after chunk_program: %s ----\n%s", name, getattr(program, name).code)
     return gm, program
 
 
@@ -88,13 +111,12 @@ def transform_stages(captured: Captured, num_stages: int, split_points: list[str
         num_stages: number of pipeline stages P.
         split_points: module names to cut before (default: cost-balanced, or the model's
             `sppo_fx.split_point` markers).
-        log: print each stage's graphs.
+        log: show each stage's graphs (as `transform`).
 
     Returns:
         (the analysed captured graph, [StageGraph], [ChunkedProgram per stage]).
     """
     from sppo_fx.passes.stage_split import split_stages
-    log = bool(int(os.environ.get("SPPO_FX_LOG_PASSES", "0"))) if log is None else log
     gm, whole = transform(captured, log=log)
     params = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in captured.param_fqns]
     stages = split_stages(gm, captured.seq, params, captured.input_names, num_stages, split_points)
@@ -103,7 +125,5 @@ def transform_stages(captured: Captured, num_stages: int, split_points: list[str
         analyse(st.graph, captured.seq, captured.param_fqns.keys(), st.recvs)
         used = [n.name for n in st.graph.graph.nodes if n.op == "placeholder" and n.name in captured.param_fqns]
         programs.append(chunk_program(st.graph, captured.seq, used, captured.input_names, st.recvs))
-        if log:
-            print(f"---- stage {st.index}: blocks {st.blocks} ----")
-            print(programs[-1].chunk.code)
+        _log.debug("---- stage %d: blocks %s ----\n%s", st.index, st.blocks, programs[-1].chunk.code)
     return gm, stages, programs

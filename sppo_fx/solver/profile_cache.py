@@ -1,0 +1,135 @@
+"""The device profile of this machine, calibrated once and kept on disk.
+
+`device_profile(device, dir)` is what a budgeted `sppo_fx.compile` asks for on its first
+call. It returns the profile stored for this machine, device and offload directory, or runs
+`profiles.calibrate` once and stores what it measured, so that later processes skip the
+measurement (about a second, more on a busy machine).
+
+Where: `$SPPO_FX_CACHE_DIR/profiles/` (default `$XDG_CACHE_HOME/sppo_fx`, else
+`~/.cache/sppo_fx`), one JSON file per key. The key names what the figures depend on: the
+device (CPU model and core count, or the GPU's name), torch's thread count, and the
+filesystem of the offload directory (the disk tier's bandwidth).
+
+Refresh (after a hardware change, or when the calibration ran on a busy machine):
+`SPPO_FX_RECALIBRATE=1` measures again and overwrites the file; `device_profile(...,
+refresh=True)` does the same from Python; deleting the directory forgets every profile.
+`SPPO_FX_PROFILE_CACHE=off` neither reads nor writes the cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+
+from sppo_fx.log import get_logger, phase
+from sppo_fx.solver.profiles import DeviceProfile, calibrate
+
+log = get_logger(__name__)
+CALIBRATE_SECONDS = 1.0
+
+
+def cache_dir() -> str:
+    """The directory that holds the stored profiles."""
+    base = os.environ.get("SPPO_FX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "sppo_fx")
+    return os.path.join(base, "profiles")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_key(device: str, dir: str | None = None) -> dict:
+    """What a stored profile must match to be used (as a dict, stored with the profile)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        hardware = torch.cuda.get_device_name(index)
+    else:
+        hardware = f"{_cpu_model()} x{os.cpu_count()}"
+    target = os.path.realpath(dir or tempfile.gettempdir())
+    try:
+        filesystem = os.stat(target).st_dev
+    except OSError:
+        filesystem = target
+    return {"device": dev.type, "hardware": hardware, "threads": torch.get_num_threads(),
+            "disk": f"{target} (dev {filesystem})", "host": platform.node(), "version": 1}
+
+
+def _path(key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), f"{key['device']}-{digest}.json")
+
+
+def _enabled() -> bool:
+    return os.environ.get("SPPO_FX_PROFILE_CACHE", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | None = None) -> DeviceProfile:
+    """This machine's profile for `device`: stored, or calibrated now and stored.
+
+    Args:
+        device: "cpu" or "cuda[:i]".
+        dir: the offload directory the disk figures are for (default: the system temp dir).
+        refresh: calibrate even when a profile is stored (default: env SPPO_FX_RECALIBRATE=1).
+
+    Returns:
+        The `DeviceProfile`; its `source` says whether it was read from a file.
+    """
+    if refresh is None:
+        refresh = os.environ.get("SPPO_FX_RECALIBRATE", "").strip().lower() in ("1", "true", "yes", "on")
+    use_cache = _enabled()
+    key = profile_key(device, dir) if use_cache else None
+    path = _path(key) if use_cache else None
+    if use_cache and not refresh:
+        stored = _read(path, key)
+        if stored is not None:
+            log.info("device profile: stored calibration %s (SPPO_FX_RECALIBRATE=1 measures again)", path)
+            return stored
+    with phase(f"calibrating the device profile ({device}, {CALIBRATE_SECONDS:g} s of matmuls, copies, disk)", log):
+        profile = calibrate(device, seconds=CALIBRATE_SECONDS, dir=dir)
+    if use_cache:
+        _write(path, key, profile)
+    return profile
+
+
+def _read(path: str, key: dict) -> DeviceProfile | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("key") != key:
+            return None
+        profile = DeviceProfile.from_dict(data["profile"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not isinstance(e, FileNotFoundError):
+            log.warning("ignoring the stored device profile %s (%s); calibrating again", path, e)
+        return None
+    except Exception as e:  # noqa: BLE001 - a stale file from another version (SppoError on fields)
+        log.warning("ignoring the stored device profile %s (%s); calibrating again", path, e)
+        return None
+    profile.source = f"{profile.source}; stored in {path}"
+    return profile
+
+
+def _write(path: str, key: dict, profile: DeviceProfile) -> None:
+    """Write atomically (another process may read or write the same file)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".profile_", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "profile": profile.to_dict()}, f, indent=2)
+        os.replace(tmp, path)
+        log.info("device profile stored in %s", path)
+    except OSError as e:
+        log.warning("could not store the device profile in %s: %s", path, e)
