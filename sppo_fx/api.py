@@ -109,7 +109,8 @@ class _Entry:
         K/V prefix streamed from the skeleton), one per (policy, skeleton), compiled only
         when a plan uses it. With more than one chunk, chunk 0 (empty K/V prefix) runs the
         program's AOTAutograd graphs instead of a second Inductor compile
-        (codegen/inductor.py, `eager_empty_prefix`)."""
+        (codegen/inductor.py, `eager_empty_prefix`); not with the streamed skeleton, whose
+        prefix handles are empty for every chunk."""
         key = (recompute, skeleton, chunks > 1)
         prog = self.programs.get(key)
         if prog is None:
@@ -117,7 +118,7 @@ class _Entry:
             gm = self.program.chunk if skeleton == "keep" else streamed_chunk(self.program)
             prog = compile_chunk_program(gm, backend="inductor" if options.compile else "eager",
                                          offload=options.offload is not None, recompute=recompute,
-                                         eager_empty_prefix=chunks > 1)
+                                         eager_empty_prefix=chunks > 1 and skeleton == "keep")
             self.programs[key] = prog
         return prog
 
