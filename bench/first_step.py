@@ -30,15 +30,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from sppo_fx.benchmark.worker import _rss  # noqa: E402  (the engine's RSS reader)
+
 CONFIGS = ["eager", "torch.compile", "torch.compile 2", "sppo budget", "sppo budget 2"]
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def worker(args) -> None:
