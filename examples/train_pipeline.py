@@ -7,7 +7,11 @@ Multi-node (run on every node, same --master-addr):
     torchrun --nnodes 2 --node-rank $NODE --nproc-per-node 4 --master-addr $HOST --master-port 29500 \\
         examples/train_pipeline.py --chunks 8
 
-One pipeline stage runs on each rank; the number of stages is the world size.
+Sequence and data parallelism (world = stages x data-parallel x seq-parallel):
+    torchrun --nproc-per-node 4 examples/train_pipeline.py --seq-parallel 2 --data-parallel 2
+    torchrun --nproc-per-node 4 examples/train_pipeline.py --plan plan.json   # sppo-fx plan ... --json
+
+The number of stages is the world size divided by data-parallel x seq-parallel.
 `--dump DIR` writes each rank's loss and gradients (used by the tests), and
 `--fail-rank R --fail-at backward|forward` makes rank R die mid-step (fault-injection for
 the tests: the other ranks must raise SppoError within --timeout seconds).
@@ -75,6 +79,11 @@ def main(argv=None) -> int:
     p.add_argument("--fail-how", choices=["exit", "kill", "raise", "hang"], default="exit")
     p.add_argument("--width", type=int, default=None, help="hidden size (n_embd / dim; llama ffn_dim = 2x)")
     p.add_argument("--plan-seed", type=int, default=None, help="(test) perturb this rank's chunking")
+    p.add_argument("--seq-parallel", type=int, default=None, help="sequence-parallel ranks per stage (default 1)")
+    p.add_argument("--data-parallel", type=int, default=None, help="data-parallel replicas (default 1)")
+    p.add_argument("--plan", default=None, help="a saved plan (sppo-fx plan ... --json): its layout and chunks")
+    p.add_argument("--kv-heads", type=int, default=None, help="(llama) K/V heads (grouped-query attention)")
+    p.add_argument("--ignore-every", type=int, default=0, help="(test) set every k-th target to -100")
     args = p.parse_args(argv)
 
     # the process group's own timeout covers start-up (every rank traces and compiles, at its
@@ -85,19 +94,34 @@ def main(argv=None) -> int:
     overrides = {layer_key: args.layers}
     if args.width:
         overrides.update({"n_embd": args.width} if args.model == "gpt" else {"dim": args.width, "ffn_dim": 2 * args.width})
+    if args.kv_heads:
+        overrides["n_kv_heads"] = args.kv_heads
     model = build(args.model, args.size, **overrides)
     gen = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.config.vocab_size
     x = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
     y = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
+    if args.ignore_every:
+        y.view(-1)[::args.ignore_every] = -100
+    layout = {}
+    if args.plan:
+        from sppo_fx.planner import load_layout_plan
+        layout, plan = load_layout_plan(args.plan)
+        if layout["pp"] * layout["dp"] * layout["sp"] != world:
+            raise SystemExit(f"the plan's layout {layout} needs {layout['pp'] * layout['dp'] * layout['sp']} ranks, "
+                             f"not {world}")
+    sp, dp = args.seq_parallel or layout.get("sp", 1), args.data_parallel or layout.get("dp", 1)
+    if world % (sp * dp):
+        raise SystemExit(f"world size {world} does not divide into data-parallel {dp} x seq-parallel {sp}")
     lengths = [int(c) for c in args.chunk_lengths.split(",")] if args.chunk_lengths else None
     if args.plan_seed is not None and rank == world - 1:
         lengths = [args.seq_len - 1, 1]
-    chunks = None if lengths or args.chunks == "auto" else int(args.chunks)
+    chunks = None if lengths or args.chunks == "auto" or args.plan else int(args.chunks)
     compiled = sppo_fx.compile(model, chunks=chunks, chunk_lengths=lengths,
-                               stages=world, microbatches=args.microbatches, schedule=args.schedule,
+                               stages=world // (sp * dp), microbatches=args.microbatches, schedule=args.schedule,
                                compile=args.compile, timeout_s=args.timeout, offload=args.offload,
-                               budget=args.budget)
+                               budget=args.budget, seq_parallel=sp, data_parallel=dp,
+                               plan=plan if args.plan else None)
     if args.fail_rank == rank:
         _inject_failure(args.fail_at, args.fail_how)
     for step in range(args.steps):

@@ -71,6 +71,13 @@ class CompileOptions:
             lives: "keep" (on the device), "offload" (in the `offload` tier, streamed into
             each attention one earlier chunk at a time), or "auto" (with a budget the solver
             offloads it only when no plan with it kept fits; otherwise "keep").
+        seq_parallel: sequence-parallel ranks S per stage (Ulysses: each takes 1/S of every
+            chunk's tokens; all-to-alls around attention).
+        data_parallel: data-parallel replicas D (each takes 1/D of every micro-batch's
+            sequences; gradients are summed over dp × sp after the step).
+        mesh: a user's DeviceMesh with dims named "pp", "dp", "sp" (instead of stages /
+            data_parallel / seq_parallel).
+        plan: a saved Plan (`sppo-fx plan --json`, `Plan.from_json`) to run as given.
     """
 
     loss_fn: Callable | None = None
@@ -90,6 +97,19 @@ class CompileOptions:
     offload_dir: str | None = None
     recompute: str = "auto"
     skeleton: str = "auto"
+    seq_parallel: int = 1
+    data_parallel: int = 1
+    mesh: object = None
+    plan: Plan | None = None
+
+    @property
+    def layout(self):
+        """The (pp, dp, sp) sizes these options ask for."""
+        from sppo_fx.runtime.mesh import Layout
+        if self.mesh is not None:
+            from sppo_fx.runtime.mesh import ParallelMesh
+            return ParallelMesh.layout_of(self.mesh)
+        return Layout(self.stages, self.data_parallel, self.seq_parallel)
 
 
 @dataclasses.dataclass
@@ -168,6 +188,7 @@ class SppoCompiled:
         self._last_chunk_fn = None  # what ran the chunks in the last call
         self._store = None
         self.profile = None  # solver.profiles.DeviceProfile used by the budget solver
+        self._mesh = None  # runtime.mesh.ParallelMesh, on the first distributed step
 
     # ---- planning -------------------------------------------------------------------
     def plan_for(self, seq_len: int, cost: ChunkCostModel | None = None) -> Plan:
@@ -181,6 +202,11 @@ class SppoCompiled:
         o = self.options
         if o.partition not in ("balanced", "even"):
             raise SppoError(f"partition={o.partition!r}: use 'balanced' or 'even'")
+        if o.plan is not None:
+            if o.plan.seq_len != seq_len:
+                raise SppoError(f"the given plan covers {o.plan.seq_len} tokens but the sequence has {seq_len}; "
+                                "make a plan for this sequence length (sppo-fx plan --seq-len ...)")
+            return o.plan
         if o.chunk_lengths is not None:
             if o.chunks is not None and o.chunks != len(o.chunk_lengths):
                 raise SppoError(f"chunks={o.chunks} disagrees with {len(o.chunk_lengths)} chunk_lengths; "
@@ -194,8 +220,8 @@ class SppoCompiled:
 
     # ---- calling --------------------------------------------------------------------
     def __call__(self, *args, target=None, **kwargs):
-        if self.options.stages > 1:
-            raise SppoError(f"a model compiled with stages={self.options.stages} runs as a pipeline: call "
+        if self.options.layout.distributed:
+            raise SppoError(f"a model compiled for {self.options.layout} runs on several ranks: call "
                             "compiled.step(...) on every rank (it does forward and backward)")
         if self._fn is not None:
             if not args or not isinstance(args[0], torch.nn.Module):
@@ -287,13 +313,13 @@ class SppoCompiled:
         under the schedule; every rank returns the loss, and each parameter's gradient is
         accumulated into `.grad` on the ranks whose stage uses it.
         """
-        from sppo_fx.runtime.pipeline import build_pipeline, pipeline_step, require_world, split_microbatches
+        from sppo_fx.runtime.pipeline import build_pipeline, data_shares, pipeline_step, split_microbatches
         o = self.options
         model = self._model
         if self._fn is not None:
             model, args = args[0], args[1:]
         mbs = split_microbatches(args, kwargs, target, o.microbatches)
-        if o.stages == 1:
+        if not o.layout.distributed:
             total = 0.0
             for a, k, t in mbs:
                 call_args = (model, *a) if self._fn is not None else a
@@ -301,7 +327,8 @@ class SppoCompiled:
                 (loss / o.microbatches).backward()
                 total = total + loss.detach()
             return total / o.microbatches
-        rank, world = require_world(o.stages)
+        mesh = self._parallel_mesh()
+        mbs = data_shares(mbs, mesh)
         leaves, _spec, slots = flatten_call(*mbs[0])
         tensors = [leaves[i] for i in slots]
         _check_inputs(model, tensors, o.seq_dim)
@@ -316,12 +343,26 @@ class SppoCompiled:
                 factory = functools.partial(compile_chunk_program, backend="inductor" if o.compile else "eager",
                                             offload=o.offload is not None, recompute=recompute)
             first = not any(isinstance(k, tuple) and k[0] == "pipeline" for k in self._cache)
-            state = build_pipeline(model, self._fn, o, mbs, self, rank, world, factory, self.store,
+            state = build_pipeline(model, self._fn, o, mbs, self, mesh, factory, self.store,
                                    check_values=first)
             self._cache[key] = state
         self.plan = state.plan
         self.pipeline = state
         return pipeline_step(state, mbs)
+
+    def _parallel_mesh(self):
+        """The ParallelMesh of this process (made, with its process groups, on first use)."""
+        from sppo_fx.runtime.mesh import ParallelMesh, require_world
+        if self._mesh is None:
+            o = self.options
+            if o.mesh is not None:
+                require_world(o.layout)
+                mesh = ParallelMesh.from_device_mesh(o.mesh, o.timeout_s)
+            else:
+                mesh = ParallelMesh(o.layout, require_world(o.layout), timeout_s=o.timeout_s)
+            mesh.create_groups()
+            self._mesh = mesh
+        return self._mesh
 
     def _entry(self, model, args, kwargs, target, leaves, spec, slots, tensors) -> _Entry:
         seq_dim = self.options.seq_dim
@@ -367,6 +408,10 @@ class SppoCompiled:
         with offload or recompute, also the chunk program's AOT forward and backward graphs
         after the memory passes ("chunk.forward.K" / "chunk.backward.K" for its K-th
         compile: the offload/prefetch/wait nodes are there)."""
+        if self._last is None and self.pipeline is not None:  # this rank's stage program
+            p = self.pipeline
+            return {"captured": p.graph, "prologue": p.program.prologue, "chunk": p.program.chunk,
+                    "epilogue": p.program.epilogue}
         e = self._require_entry()
         out = {"captured": e.graph, "prologue": e.program.prologue, "chunk": e.program.chunk,
                "epilogue": e.program.epilogue}
@@ -400,7 +445,7 @@ class SppoCompiled:
 def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,
             log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
             split_points=None, timeout_s=60.0, partition="balanced", offload=None, offload_dir=None,
-            recompute="auto", skeleton="auto"):
+            recompute="auto", skeleton="auto", seq_parallel=1, data_parallel=1, mesh=None, plan=None):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -439,6 +484,17 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         skeleton: "auto", "keep" or "offload": where the K/V skeleton lives (see
             `CompileOptions`); "offload" needs an `offload` tier (a budget implies "disk")
             and stages=1.
+        seq_parallel: sequence-parallel ranks S per stage: each holds 1/S of every chunk's
+            tokens, and all-to-alls around attention give it all tokens of 1/S of the heads
+            (the query heads, and the K/V heads or S, must divide by S).
+        data_parallel: data-parallel replicas D: each takes 1/D of every micro-batch's
+            sequences. World size = stages · data_parallel · seq_parallel (torchrun); every
+            rank passes the same full batch to `.step`, and after it every rank holding a
+            parameter holds its full gradient.
+        mesh: a `torch.distributed.device_mesh.DeviceMesh` with dims named "pp", "dp" and
+            "sp" (any subset), instead of stages / data_parallel / seq_parallel.
+        plan: a `Plan` (or its JSON, or a path to a `.json` file from `sppo-fx plan --json`)
+            to run as given: chunk lengths and, with seq_parallel, each chunk's split.
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -463,18 +519,48 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
     if skeleton == "offload" and int(stages) > 1:
         raise SppoError("skeleton='offload' is not supported with pipeline stages yet (stages > 1): "
                         "use skeleton='keep' or 'auto'")
+    if mesh is not None:
+        if (stages, data_parallel, seq_parallel) != (1, 1, 1):
+            raise SppoError("give either mesh= or stages / data_parallel / seq_parallel, not both")
+        from sppo_fx.runtime.mesh import ParallelMesh
+        stages = ParallelMesh.layout_of(mesh).pp
+    for name, value in (("seq_parallel", seq_parallel), ("data_parallel", data_parallel)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SppoError(f"{name}={value!r}: give a positive integer")
+    if skeleton == "offload" and seq_parallel > 1:
+        raise SppoError("skeleton='offload' is not supported with seq_parallel > 1 yet: use skeleton='keep' or 'auto'")
+    if plan is not None:
+        plan = _load_plan(plan)
+        if chunks is not None or chunk_lengths is not None or budget is not None:
+            raise SppoError("give either plan= or chunks / chunk_lengths / budget (the plan fixes the chunks)")
     options = CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths,
                              seq_dim=seq_dim, budget=budget, log_passes=log_passes, compile=compile,
                              stages=int(stages), microbatches=int(microbatches), schedule=schedule,
                              split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s),
                              partition=partition, offload=offload, offload_dir=offload_dir, recompute=recompute,
-                             skeleton=skeleton)
+                             skeleton=skeleton, seq_parallel=int(seq_parallel), data_parallel=int(data_parallel),
+                             mesh=mesh, plan=plan)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)
 
 
 SCHEDULES = ("1f1b", "gpipe")
+
+
+def _load_plan(plan) -> Plan:
+    """A Plan from a Plan, its JSON text, or a path to a JSON file (`sppo-fx plan --json`)."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        text = str(plan)
+        if not text.lstrip().startswith("{"):
+            if not os.path.isfile(text):
+                raise SppoError(f"plan={text!r} is neither a Plan's JSON nor an existing file")
+            with open(text) as f:
+                text = f.read()
+        return Plan.from_json(text)
+    raise SppoError(f"plan= takes a Plan, its JSON or a JSON file's path, got {type(plan).__name__}")
 
 
 def _check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir):

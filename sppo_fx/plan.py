@@ -32,6 +32,9 @@ class Plan:
         copy_window_bytes: offload copies allowed in flight, each way (writes not yet
             done, reads not yet consumed; `runtime.memory.CopyWindow`); None: unbounded
             (every read of a chunk starts when its backward is about to run).
+        sp_splits: with sequence parallelism, per chunk the tokens each SP rank takes, in
+            rank order (multiplexed partitioning gives chunks their own splits); None:
+            every chunk splits as evenly as possible (`sp_split`).
     """
 
     seq_len: int
@@ -44,6 +47,7 @@ class Plan:
     recompute: str | None = None
     skeleton: str | None = None
     copy_window_bytes: int | None = None
+    sp_splits: list[list[int]] | None = None
 
     def __post_init__(self):
         self.chunk_lengths = [int(c) for c in self.chunk_lengths]
@@ -53,6 +57,13 @@ class Plan:
                 raise SppoError(f"offload_ratios {self.offload_ratios} must give one value in [0, 1] per chunk")
         if any(c < 1 for c in self.chunk_lengths):
             raise SppoError(f"chunk lengths must be >= 1, got {self.chunk_lengths}")
+        if self.sp_splits is not None:
+            self.sp_splits = [[int(n) for n in split] for split in self.sp_splits]
+            bad = [i for i, (split, c) in enumerate(zip(self.sp_splits, self.chunk_lengths))
+                   if sum(split) != c or min(split) < 1]
+            if len(self.sp_splits) != len(self.chunk_lengths) or bad or len({len(s) for s in self.sp_splits}) > 1:
+                raise SppoError(f"sp_splits {self.sp_splits} must give, for every chunk of {self.chunk_lengths}, "
+                                "the same number of shares, each >= 1 token, summing to the chunk's length")
         if sum(self.chunk_lengths) != self.seq_len:
             raise SppoError(f"chunk_lengths {self.chunk_lengths} sum to {sum(self.chunk_lengths)}, "
                             f"but the sequence has {self.seq_len} tokens; make them sum to {self.seq_len}")
@@ -68,6 +79,20 @@ class Plan:
             out.append(acc)
             acc += c
         return out
+
+    def sp_split(self, i: int, parts: int) -> list[int]:
+        """Tokens of chunk i per sequence-parallel rank (earlier ranks take the remainder)."""
+        if self.sp_splits is not None:
+            if len(self.sp_splits[i]) != parts:
+                raise SppoError(f"the plan splits chunks over {len(self.sp_splits[i])} sequence-parallel ranks, "
+                                f"the layout has seq_parallel={parts}")
+            return list(self.sp_splits[i])
+        c = self.chunk_lengths[i]
+        if c < parts:
+            raise SppoError(f"chunk {i} has {c} tokens, fewer than seq_parallel={parts}: every sequence-parallel "
+                            f"rank needs at least one token of every chunk; use chunks of >= {parts} tokens")
+        base, extra = divmod(c, parts)
+        return [base + (r < extra) for r in range(parts)]
 
     def bounds(self) -> list[tuple[int, int]]:
         """[(start, end)] per chunk."""

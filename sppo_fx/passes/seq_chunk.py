@@ -133,6 +133,9 @@ class ChunkedProgram:
         reductions: reduction sites; partials are (sum[, count]) per site in this order.
         recvs: activations received from the previous pipeline stage, per chunk.
         sends: activations sent to the next pipeline stage, per chunk.
+        seq_parallel: S > 1 after `passes.sequence_parallel.shard_attention_heads`: the
+            chunk program runs on one rank's share of each chunk and takes the whole
+            chunk's length as `sp_chunk_len` after `chunk_len`.
     """
 
     prologue: fx.GraphModule
@@ -145,6 +148,7 @@ class ChunkedProgram:
     reductions: list[ReductionSite]
     recvs: list[Activation] = dataclasses.field(default_factory=list)
     sends: list[Activation] = dataclasses.field(default_factory=list)
+    seq_parallel: int = 1
 
     @property
     def num_partials(self) -> int:

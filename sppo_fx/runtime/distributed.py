@@ -1,6 +1,7 @@
-"""Pipeline executor: one stage per rank, driven by a schedule (sppo_fx/schedule/).
+"""Pipeline executor: one stage per rank, driven by a schedule (sppo_fx/schedule/), on a
+(pp, dp, sp) mesh (`runtime.mesh`).
 
-Each rank runs its own action list:
+Each rank runs its stage's action list:
 
     F     StageRunner.forward of (micro-batch, chunk); on the last stage, after the last
           chunk of a micro-batch, its epilogue (the loss)
@@ -10,6 +11,13 @@ Each rank runs its own action list:
     OFF / PRE / WAIT  the chunk's saved activations go to the activation store while F runs
                       (saved-tensor hooks), PRE starts reading them back, WAIT blocks until
                       they are back (B would wait too)
+
+Data and sequence parallelism: every rank of a stage's replica group (dp × sp) runs the
+same action list on its share (its sequences, its tokens of every chunk); the SP ranks'
+all-to-alls live inside the chunk programs (`passes.sequence_parallel`). The loss partials
+of a micro-batch are SUM-reduced over the replica group before the epilogue, so the loss is
+normalised by the global count; after the step's last backward, parameter gradients are
+SUM-reduced over it.
 
 Shapes come from the plan (chunk lengths) and the stage programs, so no shape handshake
 happens per step. Tags encode (direction, micro-batch, chunk, tensor) so sends and receives
@@ -36,6 +44,7 @@ from sppo_fx.errors import SppoError
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.local import StageRunner
+from sppo_fx.runtime.mesh import ParallelMesh
 from sppo_fx.schedule import ActionKind, Schedule
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -125,8 +134,8 @@ class PipelineExecutor:
         program: this rank's stage program.
         params: tensors for the program's parameter placeholders (the user's parameters).
         plan: chunk partition of every micro-batch.
-        schedule: the per-rank action lists.
-        rank / world: this rank and the number of stages.
+        schedule: the per-stage action lists.
+        mesh: this rank's place in the (pp, dp, sp) layout, its peers and groups.
         chunk_fn: what runs the chunk program (eager GraphModule or Inductor-compiled).
         timeout_s: the longest wait for a peer before raising.
         shared: for parameters used by several stages (tied embeddings),
@@ -137,17 +146,18 @@ class PipelineExecutor:
     """
 
     def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], plan: Plan, schedule: Schedule,
-                 rank: int, world: int, chunk_fn=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 mesh: ParallelMesh, chunk_fn=None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  shared: dict[int, tuple[int, list[int]]] | None = None, store=None, offload_quota=None):
         self.program, self.params, self.plan, self.schedule = program, params, plan, schedule
-        self.rank, self.world, self.chunk_fn, self.timeout_s = rank, world, chunk_fn, timeout_s
+        self.mesh, self.chunk_fn, self.timeout_s = mesh, chunk_fn, timeout_s
+        self.rank, self.stage = mesh.rank, mesh.pp_rank
         self.shared = shared or {}
         self.store = store
-        self.offload = {(a.microbatch, a.chunk) for a in schedule.actions[rank] if a.kind is ActionKind.OFFLOAD}
+        self.offload = {(a.microbatch, a.chunk) for a in schedule.actions[self.stage] if a.kind is ActionKind.OFFLOAD}
         if offload_quota is not None:
             self.offload = {key: offload_quota[key] for key in self.offload}
         self.M, self.N = schedule.num_microbatches, schedule.num_chunks
-        self.is_first, self.is_last = rank == 0, rank == world - 1
+        self.is_first, self.is_last = mesh.is_first_stage, mesh.is_last_stage
         self._sends: list = []
         # (action string, start, end) in seconds from the step's start, for every action; the
         # time F/B spent waiting for a peer's tensor is a separate "wait:<action>" entry
@@ -164,8 +174,13 @@ class PipelineExecutor:
             t = t.contiguous()
             self._sends.append((dist.isend(t, peer, tag=self._tag(direction, mb, chunk, k)), t, peer))
 
+    def _local_len(self, chunk: int) -> int:
+        """Tokens of `chunk` on this rank (its sequence-parallel share)."""
+        S = self.program.seq_parallel
+        return self.plan.chunk_lengths[chunk] if S == 1 else self.plan.sp_split(chunk, S)[self.mesh.sp_rank]
+
     def _irecv(self, specs, peer, direction, mb, chunk):
-        c = self.plan.chunk_lengths[chunk]
+        c = self._local_len(chunk)
         device = self.params[0].device if self.params else torch.device("cpu")
         bufs = [torch.empty(a.concrete_shape(c), dtype=a.dtype, device=device) for a in specs]
         works = [dist.irecv(b, peer, tag=self._tag(direction, mb, chunk, k)) for k, b in enumerate(bufs)]
@@ -231,14 +246,17 @@ class PipelineExecutor:
         if self.offload and self.store is None:
             raise SppoError("the schedule offloads activations but no activation store was given")
         runner = StageRunner(self.program, self.params, self.plan, self.chunk_fn, needs_grad=True,
-                             store=self.store if self.offload else None, offload=self.offload)
+                             store=self.store if self.offload else None, offload=self.offload,
+                             sp_rank=self.mesh.sp_rank,
+                             reduce_totals=self._reduce_totals if self.mesh.replica_group is not None else None,
+                             epilogue_grads=self.mesh.replica_index == 0)
         for m, inputs in enumerate(microbatch_inputs):
             runner.start(m, inputs)
         recv_f, recv_b, out_f, out_b, losses = {}, {}, {}, {}, {}
         loss_grad = torch.tensor(1.0 / self.M)
         self.timeline = []
         t0 = time.perf_counter()
-        for a in self.schedule.actions[self.rank]:
+        for a in self.schedule.actions[self.stage]:
             started = time.perf_counter()
             self._compute_start = None
             self._run_action(a, runner, recv_f, recv_b, out_f, out_b, losses, loss_grad)
@@ -251,6 +269,7 @@ class PipelineExecutor:
         self._sends.clear()
         grads = runner.param_grads
         self._reduce_shared(runner, grads)
+        self._reduce_replicas(runner, grads)
         for k, idx in enumerate(runner.grad_index):
             p, g = self.params[idx], grads[k]
             if g is None:
@@ -271,21 +290,21 @@ class PipelineExecutor:
             if self.is_last and i == self.N - 1:
                 losses[m] = runner.finish_forward(m)
         elif a.kind is ActionKind.SEND_F:
-            self._isend(out_f.pop(key), self.rank + 1, 0, m, i)
+            self._isend(out_f.pop(key), self.mesh.stage_rank(self.stage + 1), 0, m, i)
         elif a.kind is ActionKind.RECV_F:
-            recv_f[key] = self._irecv(self.program.recvs, self.rank - 1, 0, m, i)
+            recv_f[key] = self._irecv(self.program.recvs, self.mesh.stage_rank(self.stage - 1), 0, m, i)
         elif a.kind is ActionKind.B:
             grads = self._received(recv_b.pop(key), f"gradient of micro-batch {m} chunk {i}") \
                 if not self.is_last else []
             self._compute_start = time.perf_counter()
             rg = runner.backward(m, i, grads, loss_grad=loss_grad.to(self._device()))
             out_b[key] = [g if g is not None else torch.zeros(
-                a_.concrete_shape(self.plan.chunk_lengths[i]), dtype=a_.dtype, device=self._device())
+                a_.concrete_shape(self._local_len(i)), dtype=a_.dtype, device=self._device())
                 for g, a_ in zip(rg, self.program.recvs)]
         elif a.kind is ActionKind.SEND_B:
-            self._isend(out_b.pop(key), self.rank - 1, 1, m, i)
+            self._isend(out_b.pop(key), self.mesh.stage_rank(self.stage - 1), 1, m, i)
         elif a.kind is ActionKind.RECV_B:
-            recv_b[key] = self._irecv(self.program.sends, self.rank + 1, 1, m, i)
+            recv_b[key] = self._irecv(self.program.sends, self.mesh.stage_rank(self.stage + 1), 1, m, i)
         elif a.kind is ActionKind.OFFLOAD:
             pass  # the chunk's saved activations were handed to the store as F produced them
         elif a.kind is ActionKind.PREFETCH:
@@ -301,8 +320,9 @@ class PipelineExecutor:
     def _reduce_shared(self, runner, grads):
         """Sum the gradients of parameters that several stages use (e.g. tied embeddings).
 
-        `shared` maps a local parameter index to (global id, ranks using it); every exchange
-        is posted before any wait, so ranks need not agree on an order.
+        `shared` maps a local parameter index to (global id, stages using it); the exchange
+        is with those stages' peers of this rank's (dp, sp) coordinate; every exchange is
+        posted before any wait, so ranks need not agree on an order.
         """
         pending = []
         for idx, (gid, ranks) in sorted(self.shared.items(), key=lambda kv: kv[1][0]):
@@ -311,7 +331,8 @@ class PipelineExecutor:
                 continue
             mine = grads[k] if grads[k] is not None else torch.zeros_like(self.params[idx])
             mine = mine.contiguous()
-            for peer in ranks:
+            for stage in ranks:
+                peer = self.mesh.stage_rank(stage)
                 if peer != self.rank:
                     self._sends.append((dist.isend(mine, peer, tag=_TAG_SHARED + gid), mine, peer))
                     buf = torch.empty_like(mine)
@@ -324,11 +345,44 @@ class PipelineExecutor:
             self._wait(work, peer, "send")
         self._sends.clear()
 
+    def _collective(self, fn, what: str):
+        """Run a collective of the replica group, turning a peer's failure into SppoError."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - turned into a clear error below
+            raise SppoError(f"rank {self.rank}: {what} over the stage's data/sequence-parallel ranks failed "
+                            f"({self._peer_error() or type(e).__name__ + ': ' + str(e).splitlines()[0]})") from e
+
+    def _reduce_totals(self, totals: list[torch.Tensor]) -> None:
+        """SUM the micro-batch's loss partials over the replica group (in place in the list):
+        the epilogue then sees the partials of the whole micro-batch, every sequence and
+        token, so a mean divides by the global count."""
+        group = self.mesh.replica_group
+        for k, t in enumerate(totals):
+            t = t.detach().clone()
+            self._collective(lambda: dist.all_reduce(t, dist.ReduceOp.SUM, group=group), "the loss partials' sum")
+            totals[k] = t
+
+    def _reduce_replicas(self, runner, grads) -> None:
+        """SUM this step's parameter gradients over the replica group (dp × sp): each rank
+        holds the gradient of its sequences and tokens. SUM, not AVG (gloo has summed for
+        AVG in some paths); the loss is already normalised globally."""
+        group = self.mesh.replica_group
+        if group is None:
+            return
+        for k, idx in enumerate(runner.grad_index):
+            g = grads[k] if grads[k] is not None else torch.zeros_like(self.params[idx])
+            g = g.contiguous()
+            self._collective(lambda: dist.all_reduce(g, dist.ReduceOp.SUM, group=group), "the gradient sum")
+            grads[k] = g
+
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        last = self.world - 1
+        P = self.mesh.layout.pp
+        last = self.mesh.stage_rank(P - 1)
         loss = loss.detach().reshape(()).to(torch.float32).cpu() if self.is_last else torch.empty(())
         if self.is_last:
-            works = [(dist.isend(loss, r, tag=_TAG_LOSS), r) for r in range(self.world - 1)]
+            peers = [self.mesh.stage_rank(s) for s in range(P - 1)]
+            works = [(dist.isend(loss, r, tag=_TAG_LOSS), r) for r in peers]
             for w, r in works:
                 self._wait(w, r, "loss send")
             return loss

@@ -20,6 +20,7 @@ number of micro-batches; the distributed executor drives one per rank, and
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from sppo_fx.codegen import CompiledProgram, compile_chunk_program
 from sppo_fx.errors import SppoError
 from sppo_fx.ops.offload import MatmulGrad, active_memory
+from sppo_fx.ops.seq_parallel import active_split
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
@@ -106,12 +108,24 @@ class StageRunner:
             `passes.skeleton.stream_kv_skeleton`, or chunk_fn=None to build one).
         copy_window_bytes: bound on offload copies in flight (`runtime.memory.CopyWindow`);
             default: the plan's `copy_window_bytes` (None there: unbounded).
+        sp_rank: with a sequence-parallel program (`program.seq_parallel` = S > 1), this
+            rank's index among the S ranks; it runs its share of every chunk
+            (`Plan.sp_split`).
+        reduce_totals: sums the loss partials over the other ranks that hold parts of the
+            same micro-batch (data and sequence parallelism), in place, before the epilogue.
+        epilogue_grads: add the epilogue's parameter gradients (False on all but one rank of
+            a replica group: every rank computes the same ones, and gradients are summed
+            over the group).
     """
 
     def __init__(self, program: ChunkedProgram, params: list[torch.Tensor], plan: Plan, chunk_fn=None,
                  needs_grad: bool = True, store=None, offload=None, min_offload_bytes: int = 1 << 16,
-                 skeleton: str = "keep", copy_window_bytes: int | None = None):
+                 skeleton: str = "keep", copy_window_bytes: int | None = None, sp_rank: int = 0,
+                 reduce_totals=None, epilogue_grads: bool = True):
         self.program, self.plan = program, plan
+        self.sp_rank, self.reduce_totals, self.epilogue_grads = sp_rank, reduce_totals, epilogue_grads
+        if program.seq_parallel > 1 and skeleton != "keep":
+            raise SppoError("skeleton='offload' is not supported with seq_parallel > 1 yet: use skeleton='keep'")
         self.store, self.min_offload_bytes = store, min_offload_bytes
         window = copy_window_bytes if copy_window_bytes is not None else plan.copy_window_bytes
         self.window = CopyWindow(store, window) if store is not None and window is not None else None
@@ -212,7 +226,8 @@ class StageRunner:
         """Forward of chunk `i` of micro-batch `mb`; returns the activations to send (detached)."""
         prog, m = self.program, self.microbatches[mb]
         start, end = self.plan.bounds()[i]
-        slices = [b if spec.seq_dim is None else b.narrow(spec.seq_dim, start, end - start)
+        local_start, local_len = self.local_bounds(i)
+        slices = [b if spec.seq_dim is None else b.narrow(spec.seq_dim, local_start, local_len)
                   for spec, b in zip(prog.boundaries, m.boundary)]
         recv_leaves = [r.detach().requires_grad_(self.needs_grad and r.is_floating_point()) for r in recvs]
         prefix = self._prefix(m, i)
@@ -222,8 +237,9 @@ class StageRunner:
             quota = self.offload.get((mb, i), 0) if isinstance(self.offload, dict) else float("inf")
             memory = ChunkMemory(self.store if self.offloads(mb, i) else None, quota, self.min_offload_bytes,
                                  self._accumulate_grad, m.skeleton, i, self.window)
-        with torch.set_grad_enabled(self.needs_grad), active_memory(memory):
-            outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, start, end - start)
+        whole = (end - start,) if prog.seq_parallel > 1 else ()  # sp_chunk_len
+        with torch.set_grad_enabled(self.needs_grad), active_memory(memory), self._split(i):
+            outs = self.chunk_fn(*self.params, *slices, *recv_leaves, *prefix, local_start, local_len, *whole)
         if memory is not None and memory.error is not None:
             memory.release()
             raise memory.error  # a failed offload write (the caller aborts the micro-batch)
@@ -236,6 +252,21 @@ class StageRunner:
             for buf, t in zip(m.kv_buffers, m.states[i].kv):
                 buf[..., start:end, :].copy_(t)
         return [t.detach() for t in m.states[i].sends]
+
+    def local_bounds(self, i: int) -> tuple[int, int]:
+        """(first position, tokens) of this rank's share of chunk i (the whole chunk
+        without sequence parallelism)."""
+        start = self.plan.starts[i]
+        if self.program.seq_parallel == 1:
+            return start, self.plan.chunk_lengths[i]
+        split = self.plan.sp_split(i, self.program.seq_parallel)
+        return start + sum(split[:self.sp_rank]), split[self.sp_rank]
+
+    def _split(self, i: int):
+        """The running chunk's split over the SP ranks, for the all-to-alls in its graphs."""
+        if self.program.seq_parallel == 1:
+            return contextlib.nullcontext()
+        return active_split(self.plan.sp_split(i, self.program.seq_parallel))
 
     def abort(self, mb: int) -> None:
         """A step failed: drop micro-batch `mb`'s saved state and offloaded copies (their
@@ -283,7 +314,10 @@ class StageRunner:
                 acc = m.states[0].partials[k].detach()
                 for i in range(1, len(m.states)):
                     acc = acc + m.states[i].partials[k].detach()
-                totals.append(acc.requires_grad_(self.needs_grad and acc.is_floating_point()))
+                totals.append(acc)
+            if self.reduce_totals is not None:
+                self.reduce_totals(totals)
+            totals = [t.requires_grad_(self.needs_grad and t.is_floating_point()) for t in totals]
             (m.loss,) = self.program.epilogue(self.plan.seq_len, *self._epilogue_params, *totals)
         m.totals = totals
         return m.loss.detach()
@@ -305,7 +339,8 @@ class StageRunner:
             grad = torch.ones_like(m.loss) if loss_grad is None else loss_grad
             gs = torch.autograd.grad(m.loss, totals + self._epilogue_grad_leaves(), grad, allow_unused=True)
             m.total_grads = dict(zip(map(id, totals), gs[:len(totals)]))
-            self._add_param_grads_for(self._epilogue_grad_index(), gs[len(totals):])
+            if self.epilogue_grads:
+                self._add_param_grads_for(self._epilogue_grad_index(), gs[len(totals):])
             m.loss = None
         st = m.states[i]
         outs, grads = [], []
@@ -328,7 +363,7 @@ class StageRunner:
         if outs:
             # backward(inputs=...) accumulates each parameter's gradient into its leaf as soon
             # as it is computed: one copy of the gradients, as eager autograd keeps
-            with active_memory(st.memory):
+            with active_memory(st.memory), self._split(i):
                 torch.autograd.backward(outs, grads, inputs=leaves + prefix + recvs)
             bounds = self.plan.bounds()[:i]
             for j, (t, lo) in enumerate(zip(prefix, self._prefix_starts(bounds[-1][1] if bounds else 0))):

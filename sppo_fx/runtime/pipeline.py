@@ -1,16 +1,16 @@
-"""Set-up of a pipeline step for `SppoCompiled.step` with stages > 1.
+"""Set-up of a distributed step for `SppoCompiled.step` on a (pp, dp, sp) layout.
 
-Every rank captures the same model on the same (micro-batch) shapes, runs the same passes
-and splits it into the same stages, so all ranks know every stage's program (and hence
-which parameters several stages share) without exchanging graphs; each rank then runs
-its own stage.
+Every rank captures the same model on the same (micro-batch share) shapes, runs the same
+passes and splits it into the same stages, so all ranks know every stage's program (and
+hence which parameters several stages share) without exchanging graphs; each rank then
+runs its own stage, on its data-parallel share of every micro-batch and, with sequence
+parallelism, its share of every chunk's tokens (`passes.sequence_parallel`).
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from sppo_fx.capture import Captured, capture, flatten_call
@@ -19,14 +19,20 @@ from sppo_fx.passes import transform_stages
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.passes.stage_split import StageGraph
 from sppo_fx.plan import Plan
+from sppo_fx.passes.sequence_parallel import shard_attention_heads
+from sppo_fx.ops.seq_parallel import register_group
 from sppo_fx.runtime.distributed import PipelineExecutor, check_agreement, fingerprint
+from sppo_fx.runtime.mesh import ParallelMesh
 from sppo_fx.schedule import build_schedule, with_offload
 from sppo_fx.solver.partition import cost_model_from_graph
 from sppo_fx.solver.pipeline import ComputeModel, choose_plan
 
 
-def split_microbatches(args: tuple, kwargs: dict, target, count: int) -> list[tuple]:
+def split_microbatches(args: tuple, kwargs: dict, target, count: int, what: str = "microbatches") -> list[tuple]:
     """Split every tensor whose dim 0 is the batch size into `count` micro-batches.
+
+    Args:
+        what: the option that asks for the split (named in the error).
 
     Returns:
         [(args, kwargs, target)] per micro-batch.
@@ -37,7 +43,7 @@ def split_microbatches(args: tuple, kwargs: dict, target, count: int) -> list[tu
         raise SppoError("no input tensor to split into micro-batches")
     batch = tensors[0].shape[0]
     if batch % count:
-        raise SppoError(f"the batch of {batch} sequences does not split into microbatches={count}; "
+        raise SppoError(f"the batch of {batch} sequences does not split into {what}={count}; "
                         f"use a batch size divisible by {count}")
     size = batch // count
     out = []
@@ -58,19 +64,31 @@ class PipelineState:
     executor: PipelineExecutor
     plan: Plan
     prediction: tuple | None = None
+    graph: object = None  # the analysed captured graph
+    program: ChunkedProgram | None = None  # this rank's stage program (sequence-parallel: sharded)
 
 
-def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank: int, world: int,
+def data_shares(microbatches: list[tuple], mesh: ParallelMesh) -> list[tuple]:
+    """This rank's data-parallel share of every micro-batch: the union over dp ranks of
+    their m-th shares is micro-batch m, so summed partials see the whole micro-batch."""
+    D = mesh.layout.dp
+    if D == 1:
+        return microbatches
+    return [split_microbatches(a, k, t, D, what="data_parallel")
+            [mesh.dp_rank] for a, k, t in microbatches]
+
+
+def build_pipeline(model, fn, options, microbatches: list[tuple], planner, mesh: ParallelMesh,
                    chunk_fn_factory=None, store=None, check_values: bool = True) -> PipelineState:
     """Capture, split and schedule; check that all ranks agree.
 
     Args:
         model / fn: as given to sppo_fx.compile.
         options: the CompileOptions.
-        microbatches: [(args, kwargs, target)] of this step.
+        microbatches: [(args, kwargs, target)] of this step (this rank's data-parallel share).
         planner: the SppoCompiled (its `plan_for` gives the chunk plan from a cost model); with
             neither chunks nor chunk_lengths set, the pipeline solver chooses the plan.
-        rank / world: this rank and the number of ranks (= stages).
+        mesh: this rank's place in the (pp, dp, sp) layout.
         chunk_fn_factory: builds the chunk runner from a GraphModule (Inductor), or None.
         store: the ActivationStore when options.offload is set.
         check_values: compare every parameter's values across ranks (before the first step;
@@ -79,18 +97,29 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank:
     Returns:
         The PipelineState of this rank.
     """
+    layout, stage = mesh.layout, mesh.pp_rank
+    num_stages = layout.pp
     args, kwargs, target = microbatches[0]
     cap = capture(model, fn, options.loss_fn, args, kwargs, target, options.seq_dim)
-    graph, stages, programs = transform_stages(cap, world, options.split_points, log=options.log_passes)
-    program = programs[rank]
+    graph, stages, programs = transform_stages(cap, num_stages, options.split_points, log=options.log_passes)
+    program = programs[stage]
+    if layout.sp > 1:
+        group = register_group(f"sp.pp{mesh.pp_rank}.dp{mesh.dp_rank}", mesh.sp_group)
+        program = shard_attention_heads(program, layout.sp, group)
     cost = cost_model_from_graph(graph, cap.seq)
     seq_len = _seq_len(microbatches[0], options.seq_dim)
     prediction = None
     if options.chunks is None and options.chunk_lengths is None:
-        best, considered = choose_plan(cost, ComputeModel(1.0), seq_len, world, len(microbatches), options.schedule)
+        best, considered = choose_plan(cost, ComputeModel(1.0), seq_len, num_stages, len(microbatches), options.schedule)
         plan, prediction = Plan(seq_len, best.chunk_lengths), (best, considered)
     else:
         plan = planner.plan_for(seq_len, cost)
+    if getattr(options, "plan", None) is not None:
+        plan = options.plan  # a saved plan (`sppo-fx plan --json`), checked below
+    if plan.seq_len != seq_len:
+        raise SppoError(f"the plan covers {plan.seq_len} tokens but the sequence has {seq_len}")
+    for i in range(plan.num_chunks):
+        plan.sp_split(i, layout.sp)  # raises when a chunk has fewer tokens than seq_parallel
     users: dict[str, list[int]] = {}
     for s, prog in enumerate(programs):
         for name in prog.params:
@@ -98,27 +127,28 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, rank:
     shared_ids = {fqn: gid for gid, fqn in enumerate(sorted(f for f, r in users.items() if len(r) > 1))}
     shared = {k: (shared_ids[cap.param_fqns[name][1]], users[cap.param_fqns[name][1]])
               for k, name in enumerate(program.params) if cap.param_fqns[name][1] in shared_ids}
-    schedule = build_schedule(options.schedule, world, len(microbatches), plan.num_chunks)
+    schedule = build_schedule(options.schedule, num_stages, len(microbatches), plan.num_chunks)
     params = [cap.param_value(name) for name in program.params]
     quota = None
     if options.budget is not None:
         # this rank's own plan: offload ratios for its stage's activations
-        plan, quota = rank_budget_plan(options, program, cap, params, plan, world, rank, len(microbatches), cost)
-        offload = {(rank, m, i) for (m, i), q in quota.items() if q > 0}
+        plan, quota = rank_budget_plan(options, program, cap, params, plan, num_stages, stage, len(microbatches), cost)
+        offload = {(stage, m, i) for (m, i), q in quota.items() if q > 0}
         schedule = with_offload(schedule, offload)
     elif options.offload:
         # every chunk but the last of each micro-batch (the first to run backward) on every stage
-        schedule = with_offload(schedule, {(s, m, i) for s in range(world) for m in range(len(microbatches))
+        schedule = with_offload(schedule, {(s, m, i) for s in range(num_stages) for m in range(len(microbatches))
                                            for i in range(plan.num_chunks - 1)})
     shapes = [[list(t.shape) for t in flatten_call(*mb)[0] if isinstance(t, torch.Tensor)] for mb in microbatches]
     named = list(cap.module.named_parameters(remove_duplicate=False))  # names as in cap.param_fqns
     graphs = [graph] + [g for prog in programs for g in (prog.prologue, prog.chunk, prog.epilogue) if g is not None]
-    check_agreement(fingerprint(graphs, named, plan, schedule, shapes, shared=list(shared_ids),
-                                check_values=check_values), rank, world)
+    agreed = fingerprint(graphs, named, plan, schedule, shapes, shared=list(shared_ids), check_values=check_values)
+    agreed["layout"] = str(layout)
+    check_agreement(agreed, mesh.rank, layout.world)
     chunk_fn = chunk_fn_factory(program.chunk) if chunk_fn_factory else None
-    executor = PipelineExecutor(program, params, plan, schedule, rank, world, chunk_fn, options.timeout_s, shared,
+    executor = PipelineExecutor(program, params, plan, schedule, mesh, chunk_fn, options.timeout_s, shared,
                                 store, quota)
-    return PipelineState(cap, stages, programs, executor, plan, prediction)
+    return PipelineState(cap, stages, programs, executor, plan, prediction, graph, program)
 
 
 def inflight_microbatches(schedule: str, stages: int, microbatches: int, chunks: int, stage: int) -> int:
@@ -170,15 +200,3 @@ def pipeline_step(state: PipelineState, microbatches: list[tuple]) -> torch.Tens
         leaves, _spec, slots = flatten_call(*mb)
         inputs.append([leaves[i] for i in slots])
     return state.executor.step(inputs)
-
-
-def require_world(stages: int) -> tuple[int, int]:
-    """(rank, world) of the initialised process group, which must have `stages` ranks."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise SppoError(f"stages={stages} needs torch.distributed: launch with `torchrun --nproc-per-node "
-                        f"{stages} ...` and call sppo_fx.runtime.distributed.init_from_env() first")
-    world = dist.get_world_size()
-    if world != stages:
-        raise SppoError(f"stages={stages} but the process group has {world} ranks; launch with "
-                        f"--nproc-per-node {stages} (one stage per rank)")
-    return dist.get_rank(), world
