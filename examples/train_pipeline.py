@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--data-parallel", type=int, default=None, help="data-parallel replicas (default 1)")
     p.add_argument("--plan", default=None, help="a saved plan (sppo-fx plan ... --json): its layout and chunks")
     p.add_argument("--kv-heads", type=int, default=None, help="(llama) K/V heads (grouped-query attention)")
-    p.add_argument("--ignore-every", type=int, default=0, help="(test) set every k-th target to -100")
+    p.add_argument("--ignore-every", type=int, default=0,
+                   help="(test) set every k-th target to the model's ignore_index")
     args = p.parse_args(argv)
 
     # the process group's own timeout covers start-up (every rank traces and compiles, at its
@@ -102,10 +103,10 @@ def main(argv=None) -> int:
     x = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
     y = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
     if args.ignore_every:
-        y.view(-1)[::args.ignore_every] = -100
+        y.view(-1)[::args.ignore_every] = -1 if args.model == "gpt" else -100  # the models' ignore_index
     layout = {}
     if args.plan:
-        from sppo_fx.planner import load_layout_plan
+        from sppo_fx.plan import load_layout_plan
         layout, plan = load_layout_plan(args.plan)
         if layout["pp"] * layout["dp"] * layout["sp"] != world:
             raise SystemExit(f"the plan's layout {layout} needs {layout['pp'] * layout['dp'] * layout['sp']} ranks, "

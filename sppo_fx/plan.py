@@ -132,6 +132,37 @@ class Plan:
         return cls(**json.loads(text))
 
 
+def load_layout_plan(source) -> tuple[dict, Plan]:
+    """The parallel layout and Plan of a saved plan, one format for the planner and the
+    runtime: `sppo-fx plan ... --json` output (its "layout" and "plan" entries), or a
+    Plan's own JSON (`Plan.to_json`, optionally with a "layout" entry).
+
+    Args:
+        source: a path to a JSON file, or the JSON text.
+
+    Returns:
+        ({"pp": P, "dp": D, "sp": S}, Plan).
+    """
+    text = str(source)
+    if not text.lstrip().startswith("{"):
+        try:
+            with open(text) as f:
+                text = f.read()
+        except OSError as e:
+            raise SppoError(f"cannot read the plan {source!r}: {e}") from e
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise SppoError(f"the plan {str(source)[:80]!r} is not JSON: {e}") from e
+    layout = {"pp": 1, "dp": 1, "sp": 1, **data.get("layout", {})}
+    fields = {f.name for f in dataclasses.fields(Plan)}
+    body = data["plan"] if "plan" in data else {k: v for k, v in data.items() if k in fields}
+    if "seq_len" not in body or "chunk_lengths" not in body:
+        raise SppoError(f"the plan {str(source)[:80]!r} has no seq_len / chunk_lengths: give `sppo-fx plan ... "
+                        "--json` output or a Plan's JSON")
+    return layout, Plan(**{k: v for k, v in body.items() if k in fields})
+
+
 def even_plan(seq_len: int, chunks: int) -> Plan:
     """`chunks` chunks as equal as possible (earlier chunks take the remainder).
 

@@ -28,12 +28,15 @@ import torch.distributed as dist
 from sppo_fx.errors import SppoError
 
 _GROUPS: dict[str, object] = {}
+_MEMBERS: dict[str, list[int]] = {}
 _active_split: list[tuple[int, ...]] = []
 
 
-def register_group(name: str, group) -> str:
-    """Make `group` (a ProcessGroup) reachable from graphs as `name`; returns the name."""
+def register_group(name: str, group, ranks: list[int] | None = None) -> str:
+    """Make `group` (a ProcessGroup of global `ranks`) reachable from graphs as `name`;
+    returns the name."""
     _GROUPS[name] = group
+    _MEMBERS[name] = list(ranks) if ranks is not None else []
     return name
 
 
@@ -59,19 +62,20 @@ def _split(group_name: str, total: int) -> tuple[tuple[int, ...], object, int]:
     return lengths, group, dist.get_rank(group)
 
 
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group) -> None:
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group_name: str) -> None:
     try:
-        dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group)
+        dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=_GROUPS[group_name])
     except Exception as e:  # noqa: BLE001 - a peer died or failed: say which collective
+        members = _MEMBERS.get(group_name) or "?"
         raise SppoError(f"sequence-parallel all-to-all failed ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); a rank of this sequence-parallel "
-                        "group stopped or failed") from e
+                        f"{str(e).splitlines()[0] if str(e) else ''}); a rank of the sequence-parallel "
+                        f"group (ranks {members}) stopped or failed") from e
 
 
 @torch.library.custom_op("sppo::seq_to_heads", mutates_args=())
 def seq_to_heads(x: torch.Tensor, total: int, parts: int, group: str) -> torch.Tensor:
     """[b, H, tokens of this rank, d] -> [b, H/parts, `total` tokens of the chunk, d]."""
-    lengths, pg, rank = _split(group, total)
+    lengths, _pg, rank = _split(group, total)
     b, h, local, d = x.shape
     if local != lengths[rank]:
         raise SppoError(f"this rank holds {local} tokens of the chunk, its split says {lengths[rank]}")
@@ -79,7 +83,7 @@ def seq_to_heads(x: torch.Tensor, total: int, parts: int, group: str) -> torch.T
     # send head block j to rank j: [parts, b, block, local, d], flattened in that order
     send = x.reshape(b, parts, block, local, d).transpose(0, 1).contiguous().reshape(-1)
     recv = x.new_empty(b * block * total * d)
-    _all_to_all(recv, send, [b * block * n * d for n in lengths], [b * block * local * d] * parts, pg)
+    _all_to_all(recv, send, [b * block * n * d for n in lengths], [b * block * local * d] * parts, group)
     pieces = recv.split([b * block * n * d for n in lengths])
     return torch.cat([p.view(b, block, n, d) for p, n in zip(pieces, lengths)], dim=2)
 
@@ -94,12 +98,12 @@ def _(x, total, parts, group):
 def heads_to_seq(x: torch.Tensor, local: int, parts: int, group: str) -> torch.Tensor:
     """[b, H/parts, tokens of the chunk, d] -> [b, H, `local` tokens of this rank, d]."""
     b, block, total, d = x.shape
-    lengths, pg, rank = _split(group, total)
+    lengths, _pg, rank = _split(group, total)
     if local != lengths[rank]:
         raise SppoError(f"this rank holds {local} tokens of the chunk, its split says {lengths[rank]}")
     send = torch.cat([p.reshape(-1) for p in x.split(list(lengths), dim=2)])
     recv = x.new_empty(parts * b * block * local * d)
-    _all_to_all(recv, send, [b * block * local * d] * parts, [b * block * n * d for n in lengths], pg)
+    _all_to_all(recv, send, [b * block * local * d] * parts, [b * block * n * d for n in lengths], group)
     # laid out as [b, tokens, heads, d] and returned transposed, as SDPA's output is: export
     # drops a model's `.transpose(1, 2).contiguous()` when it was free at trace time, so the
     # graph may `view` the transposed output directly

@@ -16,7 +16,12 @@ from sppo_fx.solver.profiles import DeviceProfile, get_profile
 
 
 def _profile(device) -> DeviceProfile:
-    return device if isinstance(device, DeviceProfile) else get_profile(str(device))
+    if isinstance(device, DeviceProfile):
+        return device
+    if str(device).strip().lower() == "cpu":  # this machine, measured (cached on disk)
+        from sppo_fx.solver.profiles import calibrate
+        return calibrate("cpu", seconds=1.0)
+    return get_profile(str(device))
 
 
 def _model(model) -> ModelSpec:

@@ -141,6 +141,11 @@ class WhatIfReport:
             "device": self.profile.name,
             "shard_optimizer": self.shard_optimizer,
             "chunk_lengths": list(self.best.chunk_lengths),
+            # what the runtime runs (`sppo_fx.plan.load_layout_plan`, compile(plan=...),
+            # examples/train_pipeline.py --plan): the what-if's D ranks per stage are
+            # sequence-parallel ranks, each chunk split evenly over them
+            "layout": {"pp": self.best.stages, "dp": 1, "sp": self.best.seq_parallel},
+            "plan": {"seq_len": self.seq_len, "chunk_lengths": list(self.best.chunk_lengths), "sp_splits": None},
             "offload_ratios_stage0": [round(a, 4) for a in self.best.offload_ratios[0]],
             "baselines": {k: v.figures() for k, v in self.baselines.items()},
             "speedup_over": {k: self.speedup(k) for k in self.baselines},

@@ -228,7 +228,12 @@ class PipelineExecutor:
         try:
             return self._step(microbatch_inputs)
         except BaseException as e:
+            # a peer's recorded failure (read before this rank records its own) names the
+            # rank that failed first, which a broken collective cannot tell
+            first = self._peer_error() if isinstance(e, Exception) else None
             self._fail(e)
+            if first and first not in str(e):
+                raise SppoError(f"rank {self.rank}: {e} (first failure: {first})") from e
             raise
 
     def _fail(self, error: BaseException):
@@ -350,7 +355,8 @@ class PipelineExecutor:
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - turned into a clear error below
-            raise SppoError(f"rank {self.rank}: {what} over the stage's data/sequence-parallel ranks failed "
+            members = [r for row in self.mesh.ranks[self.stage] for r in row]
+            raise SppoError(f"rank {self.rank}: {what} over the stage's data/sequence-parallel ranks {members} failed "
                             f"({self._peer_error() or type(e).__name__ + ': ' + str(e).splitlines()[0]})") from e
 
     def _reduce_totals(self, totals: list[torch.Tensor]) -> None:

@@ -28,11 +28,8 @@ from sppo_fx.solver.partition import cost_model_from_graph
 from sppo_fx.solver.pipeline import ComputeModel, choose_plan
 
 
-def split_microbatches(args: tuple, kwargs: dict, target, count: int, what: str = "microbatches") -> list[tuple]:
+def split_microbatches(args: tuple, kwargs: dict, target, count: int) -> list[tuple]:
     """Split every tensor whose dim 0 is the batch size into `count` micro-batches.
-
-    Args:
-        what: the option that asks for the split (named in the error).
 
     Returns:
         [(args, kwargs, target)] per micro-batch.
@@ -43,7 +40,7 @@ def split_microbatches(args: tuple, kwargs: dict, target, count: int, what: str 
         raise SppoError("no input tensor to split into micro-batches")
     batch = tensors[0].shape[0]
     if batch % count:
-        raise SppoError(f"the batch of {batch} sequences does not split into {what}={count}; "
+        raise SppoError(f"the batch of {batch} sequences does not split into microbatches={count}; "
                         f"use a batch size divisible by {count}")
     size = batch // count
     out = []
@@ -74,8 +71,15 @@ def data_shares(microbatches: list[tuple], mesh: ParallelMesh) -> list[tuple]:
     D = mesh.layout.dp
     if D == 1:
         return microbatches
-    return [split_microbatches(a, k, t, D, what="data_parallel")
-            [mesh.dp_rank] for a, k, t in microbatches]
+    if (batch := _batch_size(microbatches[0])) % D:
+        raise SppoError(f"each micro-batch has {batch} sequences, which do not split over data_parallel={D}; "
+                        f"use a batch size divisible by microbatches x data_parallel")
+    return [split_microbatches(a, k, t, D)[mesh.dp_rank] for a, k, t in microbatches]
+
+
+def _batch_size(microbatch: tuple) -> int:
+    leaves = pytree.tree_leaves(microbatch)
+    return next(x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0)
 
 
 def build_pipeline(model, fn, options, microbatches: list[tuple], planner, mesh: ParallelMesh,
@@ -104,7 +108,8 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, mesh:
     graph, stages, programs = transform_stages(cap, num_stages, options.split_points, log=options.log_passes)
     program = programs[stage]
     if layout.sp > 1:
-        group = register_group(f"sp.pp{mesh.pp_rank}.dp{mesh.dp_rank}", mesh.sp_group)
+        group = register_group(f"sp.pp{mesh.pp_rank}.dp{mesh.dp_rank}", mesh.sp_group,
+                               mesh.ranks[mesh.pp_rank][mesh.dp_rank])
         program = shard_attention_heads(program, layout.sp, group)
     cost = cost_model_from_graph(graph, cap.seq)
     seq_len = _seq_len(microbatches[0], options.seq_dim)
