@@ -424,6 +424,12 @@ class SppoCompiled:
         """The ChunkedProgram of the last call."""
         return self._require_entry().program
 
+    @property
+    def mesh(self):
+        """This rank's `runtime.mesh.ParallelMesh` (peers and process groups), after the first
+        distributed step; None before it or without one."""
+        return self._mesh
+
     def pipeline_prediction(self):
         """(chosen PipelinePrediction, all considered) for the last pipeline step, or None."""
         return None if self.pipeline is None else self.pipeline.prediction

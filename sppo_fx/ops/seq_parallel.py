@@ -1,7 +1,7 @@
 """The all-to-alls of Ulysses-style sequence parallelism, as `torch.library` ops.
 
 `passes.sequence_parallel` puts them around every attention call of a chunk program
-(docs/architecture.md, "Sequence parallelism"):
+(docs/architecture.md, section 3b "Parallel layout and sequence parallelism"):
 
     q, k, v  [b, heads, tokens of this rank, d]
       -> sppo.seq_to_heads     [b, heads / S, tokens of the whole chunk, d]

@@ -19,7 +19,7 @@ so the K/V a rank keeps (its skeleton, its K/V prefix) holds H_kv/S heads of eve
 1/S of the whole. A new placeholder `sp_chunk_len` (the whole chunk's tokens) follows
 `chunk_len`. Everything else in the program is token-wise, and its reductions become
 partial sums of this rank's tokens, which the executor sums over the ranks
-(docs/architecture.md, "Sequence parallelism").
+(docs/architecture.md, section 3b "Parallel layout and sequence parallelism").
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@
          SUM-reduced over it
 
 Every lookup of a peer goes through this object (no code computes rank ± 1), so a
-different layout of the same dims changes nothing else (docs/architecture.md,
-"Parallel layout").
+different layout of the same dims changes nothing else (docs/architecture.md, section 3b
+"Parallel layout and sequence parallelism").
 """
 from __future__ import annotations
 
