@@ -525,14 +525,17 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
     if skeleton == "offload" and int(stages) > 1:
         raise SppoError("skeleton='offload' is not supported with pipeline stages yet (stages > 1): "
                         "use skeleton='keep' or 'auto'")
+    from sppo_fx.runtime.mesh import ParallelMesh
     if mesh is not None:
         if (stages, data_parallel, seq_parallel) != (1, 1, 1):
             raise SppoError("give either mesh= or stages / data_parallel / seq_parallel, not both")
-        from sppo_fx.runtime.mesh import ParallelMesh
         stages = ParallelMesh.layout_of(mesh).pp
     for name, value in (("seq_parallel", seq_parallel), ("data_parallel", data_parallel)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SppoError(f"{name}={value!r}: give a positive integer")
+    if budget is not None and (seq_parallel > 1 or (mesh is not None and ParallelMesh.layout_of(mesh).sp > 1)):
+        raise SppoError("budget= with seq_parallel > 1 is not supported yet (the per-rank solver does not model the "
+                        "sharded chunk program's memory): give chunks= and, if needed, offload=")
     if skeleton == "offload" and seq_parallel > 1:
         raise SppoError("skeleton='offload' is not supported with seq_parallel > 1 yet: use skeleton='keep' or 'auto'")
     if plan is not None:

@@ -105,3 +105,26 @@ def test_all_to_all_attention_on_two_processes_matches_full_attention():
         for case, diffs in result.items():
             assert diffs.pop("q_moved"), (rank, case)
             assert max(diffs.values()) < 1e-12, (rank, case, diffs)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(seq_parallel=2, budget="1GiB"), "budget= with seq_parallel > 1"),
+    (dict(seq_parallel=2, skeleton="offload", offload="disk"), "skeleton='offload' is not supported with seq_parallel"),
+    (dict(seq_parallel=0), "seq_parallel=0: give a positive integer"),
+    (dict(data_parallel=True), "data_parallel=True: give a positive integer"),
+])
+def test_compile_refuses_layouts_it_cannot_run(kwargs, needle):
+    import sppo_fx
+    with pytest.raises(SppoError, match=needle):
+        sppo_fx.compile(build("gpt", "tiny"), **kwargs)
+
+
+def test_a_distributed_layout_needs_step_and_the_right_world_size():
+    import sppo_fx
+    model = build("gpt", "tiny")
+    x = torch.zeros(2, 16, dtype=torch.long)
+    compiled = sppo_fx.compile(model, seq_parallel=2, chunks=2)
+    with pytest.raises(SppoError, match="call compiled.step"):
+        compiled(x, x)
+    with pytest.raises(SppoError, match="needs torch.distributed"):
+        compiled.step(x, x)
