@@ -35,7 +35,7 @@ from fractions import Fraction
 import torch
 import torch.fx as fx
 
-from sppo_fx.passes.mask_proof import (CAST_OPS, IDENTITY_OPS, _CMP, Affine, Band, Const, MaskEvaluator,
+from sppo_fx.passes.mask_proof import (CAST_OPS, IDENTITY_OPS, _CMP, _NEW_FACTORIES, Affine, Band, Const, MaskEvaluator,
                                        MaskKind, NotProvable, _affine_predicate, _affine_scale, _affine_sub,
                                        _combine, _same, _shift_unsqueeze, evaluate_mask, is_blocking_fill,
                                        mask_kind)
@@ -108,6 +108,8 @@ class DocumentMaskEvaluator(MaskEvaluator):
                 return seg
         if t is aten.index.Tensor:
             return self._index(node)
+        if t in _NEW_FACTORIES:  # reads only its argument's dtype and device
+            return super()._eval(node)
         # tensor arguments only: a size node (arange(T)'s T) is not a value the proof models
         args = [self.value(a) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else a
                 for a in node.args]
@@ -117,7 +119,7 @@ class DocumentMaskEvaluator(MaskEvaluator):
         if t in IDENTITY_OPS:
             return x
         if t in CAST_OPS:
-            return self._cast(node, x)
+            return self._cast_doc(node, x)
         if t is aten.unsqueeze.default:
             nd, dim = node.args[0].meta["val"].dim(), node.args[1]
             if isinstance(x, Tok):
@@ -157,13 +159,16 @@ class DocumentMaskEvaluator(MaskEvaluator):
         d_args = list(diff.args) + [None] * (5 - len(diff.args))
         n, ddim, prepend, append = d_args[1] or 1, d_args[2] if d_args[2] is not None else -1, d_args[3], d_args[4]
         nd = node.meta["val"].dim()
+        if node.meta["val"].dtype is not torch.int64:  # a narrower count could wrap: ids would repeat
+            return None
         if n != 1 or append is not None or ddim % nd != dim % nd or not isinstance(prepend, fx.Node) \
-                or prepend.meta["val"].shape[ddim] != 1:
+                or not _is_one(prepend.meta["val"].shape[ddim]):
             return None
         src = self.value(diff.args[0])
         if isinstance(src, Tok) and src.role == "raw" and src.offset == 0 and src.seq_key == dim % nd - nd:
             return dataclasses.replace(src, role="segments")
-        if isinstance(src, Affine) and dict(src.coefs).get(dim % nd - nd) == 1 and _is_first_minus_one(prepend, diff.args[0]):
+        if isinstance(src, Affine) and dict(src.coefs).get(dim % nd - nd) == 1 \
+                and _is_first_minus_one(prepend, diff.args[0], ddim % nd):
             # a position range steps by 1 everywhere and its prepend makes the first step 1: all 0
             return Affine((), Fraction(0), nd)
         return None
@@ -190,10 +195,12 @@ class DocumentMaskEvaluator(MaskEvaluator):
             batch = None
             if x.batch_key is not None:
                 batch = _single_index(idx[0], node)
+                if not _same_dim(node.meta["val"].shape[batch], x.root.meta["val"].shape[0]):
+                    raise NotProvable(f"{node.name} reads some batch rows of '{x.root.name}' for all of them")
             return dataclasses.replace(x, seq_key=seq, batch_key=batch, ndim=out_nd)
         raise NotProvable(f"{node.name} indexes a value the mask proof does not model")
 
-    def _cast(self, node: fx.Node, x):
+    def _cast_doc(self, node: fx.Node, x):
         src, out = node.args[0].meta["val"].dtype, node.meta["val"].dtype
         if isinstance(x, Tok):
             # equality of ids survives only a cast that cannot merge two of them
@@ -322,13 +329,16 @@ def _single_index(idx: Affine, node: fx.Node) -> int:
     return idx.coefs[0][0]
 
 
-def _is_first_minus_one(prepend: fx.Node, source: fx.Node) -> bool:
+def _is_first_minus_one(prepend: fx.Node, source: fx.Node, dim: int) -> bool:
     """prepend = source[..., :1] - 1 (Hugging Face's `position_ids[:, :1] - 1`)."""
     if prepend.target not in (aten.sub.Tensor, aten.sub.Scalar) or prepend.args[1] != 1:
         return False
     first = prepend.args[0]
-    return isinstance(first, fx.Node) and first.target is aten.slice.Tensor and first.args[0] is source \
-        and (first.args[2] if len(first.args) > 2 else 0) == 0 and (first.args[3] if len(first.args) > 3 else None) == 1
+    if not (isinstance(first, fx.Node) and first.target is aten.slice.Tensor and first.args[0] is source):
+        return False
+    lo = first.args[2] if len(first.args) > 2 else 0
+    hi = first.args[3] if len(first.args) > 3 else None
+    return first.args[1] % prepend.meta["val"].dim() == dim and lo == 0 and hi == 1
 
 
 def _outside_blocked(band: Band, how: str, dtype: torch.dtype) -> bool:
