@@ -274,3 +274,14 @@ def test_chunks_skip_the_documents_that_ended_before_them(monkeypatch):
     # row 0 at 24, row 1 at 5 -> 19; chunk 3 (36): row 0 at 25, row 1 at 35 -> 11
     assert prefixes == [0, 7, 19, 11]
     assert grads and max(grads) <= 19
+
+
+# ---------------------------------------------------------------- the streamed skeleton
+
+def test_documents_refuse_the_streamed_skeleton_before_any_step():
+    model = DocModel(layers=1)
+    ids = torch.randint(0, 101, (1, 24))
+    compiled = sppo_fx.compile(model, chunks=4, offload="disk", skeleton="offload", compile=False)
+    with pytest.raises(SppoError, match="packed documents"):
+        compiled(ids, _doc_ids([[10, 14]]), ids)
+    assert all(p.grad is None for p in model.parameters())
