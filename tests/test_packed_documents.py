@@ -106,9 +106,20 @@ def test_hf_packed_with_its_default_cache_attends_across_documents_as_eager_does
     ids = torch.randint(0, 101, (1, 48))
     pos = _positions(LENGTHS[:1])
     kw = dict(input_ids=ids, labels=ids, position_ids=pos)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos).logits
+        assert not torch.allclose(packed, _per_document_logits(model, ids, LENGTHS[:1]), atol=1e-3)
     compiled = sppo_fx.compile(model, chunks=4, compile=False)
     assert_matches_eager(model, lambda m: m(**kw).loss, lambda: compiled(**kw))
     assert [s.documents for s in compiled.program.attention] == [None]
+
+
+def test_hf_padding_attention_mask_is_refused():
+    model = _hf("llama", "sdpa", layers=1)
+    ids = torch.randint(0, 101, (2, 24))
+    compiled = sppo_fx.compile(model, chunks=4, compile=False)
+    with pytest.raises(SppoError, match="depends on the input"):
+        compiled(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids), use_cache=False)
 
 
 # ---------------------------------------------------------------- a model's own document ids

@@ -13,6 +13,9 @@ This pass matches that chain from each softmax over the key dim and rewrites it 
 
     scaled_dot_product_attention(q, k, v, None, 0.0, True, scale=s_q * s_k * s)
     windowed_causal_attention(q, k, v, window=W, scale=...)      (a sliding window of W)
+    document_causal_attention(q, k, v, doc_pos, window=W, ...)   (inside packed documents:
+                                  a mask that also reads position ids or document ids,
+                                  proven by `passes/document_mask.py`)
 
 only after `mask_proof` has shown that the mask blocks exactly the keys after the query
 (j - i >= 1), and for a window those at or before i - W, at every sequence length: `blocked` must evaluate to that Band, an additive
