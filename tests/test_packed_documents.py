@@ -189,6 +189,7 @@ def test_document_ids_reused_after_another_document_are_refused_before_the_step(
     ("documents see each other", lambda doc, i: (doc[:, :, None] >= doc[:, None, :]) & (i[None, :] <= i[:, None])),
     ("other documents visible", lambda doc, i: (doc[:, :, None] == doc[:, None, :]) | (i[None, :] <= i[:, None])),
     ("keys after the query", lambda doc, i: doc[:, :, None] == doc[:, None, :]),
+    ("flipped", lambda doc, i: ((doc[:, :, None] == doc[:, None, :]) & (i[None, :] <= i[:, None])).flip(-1)),
 ])
 def test_masks_that_are_not_document_causal_are_refused_or_plain(name, build):
     class M(DocModel):

@@ -35,7 +35,7 @@ from fractions import Fraction
 import torch
 import torch.fx as fx
 
-from sppo_fx.passes.mask_proof import (CAST_OPS, IDENTITY_OPS, _CMP, _NEW_FACTORIES, Affine, Band, Const, MaskEvaluator,
+from sppo_fx.passes.mask_proof import (CAST_OPS, IDENTITY_OPS, _CMP, _EXTRA_POINTWISE, _NEW_FACTORIES, Affine, Band, Const, MaskEvaluator,
                                        MaskKind, NotProvable, _affine_predicate, _affine_scale, _affine_sub,
                                        _combine, _same, _shift_unsqueeze, evaluate_mask, is_blocking_fill,
                                        mask_kind)
@@ -143,6 +143,10 @@ class DocumentMaskEvaluator(MaskEvaluator):
         if any(isinstance(a, Tok) for a in args):
             raise NotProvable(f"{node.name} ({t}) applies to values read from the input other than by "
                               "comparing them")
+        if not (packet in _CMP or t in _EXTRA_POINTWISE
+                or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags)):
+            # evaluated piece by piece only when the op acts on each element alone
+            raise NotProvable(f"{node.name} ({t}) is not an op the mask proof models")
         return self._seg_pointwise(node, args)
 
     # -- values read from the input -----------------------------------------------------
