@@ -297,3 +297,25 @@ def test_documents_refuse_the_streamed_skeleton_before_any_step():
     with pytest.raises(SppoError, match="packed documents"):
         compiled(ids, _doc_ids([[10, 14]]), ids)
     assert all(p.grad is None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+def test_documents_in_pipeline_stages_compose_to_the_eager_model():
+    """Each stage's prologue computes the document positions its attention reads."""
+    from sppo_fx.capture import capture
+    from sppo_fx.passes import transform_stages
+    from sppo_fx.plan import Plan
+    from test_stage_split import _run_stages
+    torch.manual_seed(7)
+    model = DocModel(layers=2)
+    ids, doc = torch.randint(0, 101, (2, 48)), _doc_ids(LENGTHS)
+    cap = capture(model, None, None, (ids, doc, ids), {}, None, 1)
+    _, _, programs = transform_stages(cap, 2)
+    assert [[bool(s.documents) for s in p.attention] for p in programs] == [[True], [True]]
+    loss, grads = _run_stages(cap, programs, [ids, doc, ids], Plan(48, [7, 12, 19, 10]))
+    ref = model(ids, doc, ids)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[id(p)], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
