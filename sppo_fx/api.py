@@ -277,8 +277,8 @@ class SppoCompiled:
         self.profile = profile
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
         # the skeleton can only leave the device for a tier; streaming does not skip a
-        # sliding window's expired K/V yet (passes/skeleton.py refuses windows)
-        windowed = any(site.window is not None for site in entry.program.attention)
+        # sliding window's expired K/V (nor earlier documents) yet: passes/skeleton.py refuses both
+        windowed = any(site.window is not None or site.documents for site in entry.program.attention)
         skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
         if windowed and o.skeleton == "auto":
             skeletons = ("keep",)

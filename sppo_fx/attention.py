@@ -14,12 +14,19 @@ k, v [b, h_kv, c, d]; query row i sees keys 0..p+i (lower-right aligned, as
   inputs (the prefix is a view of the runtime's K/V buffer): no concatenation, no mask,
   no K/V heads repeated for grouped-query attention.
 
-Never a T x T mask, except for sliding-window sites (below).
+Never a T x T mask, except for sliding-window and document sites (below).
 
 Sliding windows (`window=W`: query position t sees keys t-W+1..t, as HF's `sliding_window`)
 keep only the last W-1 positions of the prefix and run SDPA with a band mask of
 [c, min(p, W-1) + c] over them: exact, with work and reads bounded by W, not by the
 prefix. (No fused kernel for this yet, on either device.)
+
+Packed documents (`doc_pos=`: each query token's position inside its document, from
+`document_positions`) restrict every query to keys of its own document: query row r of a
+chunk with prefix p sees concatenated key m iff 0 <= (p + r) - m <= doc_pos[b, r] (and
+< W with a window). The mask is [b, 1, c, p + c], bounded by the prefix the runtime hands
+over, which starts at the document of the chunk's first token (runtime/local.py,
+`StageRunner._prefix_starts`): documents that ended before the chunk are not read.
 """
 from __future__ import annotations
 
@@ -71,7 +78,8 @@ def _autocast_like_sdpa(*tensors):
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
-def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=False, window=None):
+def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=False, window=None,
+                            doc_pos=None):
     """Lower-right causal attention of a chunk over its K/V prefix and its own K/V.
 
     Args:
@@ -82,11 +90,17 @@ def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=
         enable_gqa: allow h_kv < h (grouped-query attention).
         window: sliding window W (each query sees its W most recent keys, itself included),
             or None for plain causal attention.
+        doc_pos: [b or 1, c] integer, each query's position inside its packed document
+            (`document_positions`), or None when the sequence is one document.
 
     Returns:
         [b, h, c, d] attention output.
     """
     q, k_prefix, k, v_prefix, v = _autocast_like_sdpa(q, k_prefix, k, v_prefix, v)
+    if doc_pos is not None:
+        k_all, v_all = torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2)
+        mask = _document_mask(doc_pos, q.shape[-2], k_prefix.shape[-2], window)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     if window is not None:
         return _windowed_prefix_attention(q, k_prefix, k, v_prefix, v, scale, enable_gqa, window)
     if q.device.type != "cpu" and _triton_ready():
@@ -148,4 +162,74 @@ def windowed_causal_attention(q, k, v, window, scale=None, enable_gqa=False):
     """
     t = q.shape[-2]
     mask = _band_mask(t, t, 0, window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+# ---------------------------------------------------------------- packed documents
+
+DOCUMENT_CONVENTIONS = ("position_ids", "document_ids")
+
+
+def document_positions(source: torch.Tensor, convention: str) -> torch.Tensor:
+    """Each token's position inside its document, [B, T] int64 (a 1-D source gives [1, T]).
+
+    Args:
+        source: [B, T] (or [T]) integer tensor the model's mask was proven from.
+        convention: "position_ids": a document starts wherever the position does not
+            follow the previous one by exactly 1 (Hugging Face's packed-sequence rule,
+            `position_ids` restarting at 0 for each document); "document_ids": a document
+            is a run of equal ids, and every id must form one run per row (same-id
+            attention is document attention only then).
+
+    Returns:
+        int64 tensor, 0 at each document's first token.
+    """
+    from sppo_fx.errors import SppoError
+    x = source.reshape(1, -1) if source.dim() == 1 else source
+    t = x.shape[-1]
+    follows = x[:, 1:] == x[:, :-1] + 1 if convention == "position_ids" else x[:, 1:] == x[:, :-1]
+    starts = torch.cat([torch.ones_like(x[:, :1], dtype=torch.bool), ~follows], -1)
+    index = torch.arange(t, device=x.device)
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+    if convention == "document_ids" and not _is_symbolic(x):
+        for row in range(x.shape[0]):
+            if int(starts[row].sum()) != int(torch.unique(x[row]).numel()):
+                raise SppoError(
+                    f"the document ids of batch row {row} reuse an id after another document: the "
+                    "model attends between equal ids, which is document attention only when each id "
+                    "is one contiguous run; give every packed document an id of its own")
+    return index - first
+
+
+def _is_symbolic(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(x) or torch.compiler.is_compiling() or x.device.type == "meta"
+
+
+def _document_mask(doc_pos: torch.Tensor, rows: int, prefix, window) -> torch.Tensor:
+    """[b, 1, rows, prefix + rows] bool: query r (key index prefix + r) sees key m iff
+    0 <= prefix + r - m <= doc_pos[b, r] (and < window)."""
+    device = doc_pos.device
+    dist = (torch.arange(rows, device=device) + prefix).unsqueeze(-1) - torch.arange(prefix + rows, device=device)
+    visible = (dist >= 0) & (dist <= doc_pos.unsqueeze(-1))
+    if window is not None:
+        visible = visible & (dist < window)
+    return visible.unsqueeze(1)
+
+
+def document_causal_attention(q, k, v, doc_pos, window=None, scale=None, enable_gqa=False):
+    """Causal attention inside packed documents: what `passes.causal_mask` (and
+    `passes.explicit_attention`) turn a proven document mask into, in the captured graph
+    (the chunk pass then makes it `prefix_causal_attention(..., doc_pos=...)`).
+
+    Args:
+        q: [b, h, T, d]; k, v: [b, h_kv, T, d].
+        doc_pos: [b or 1, T] each token's position inside its document (`document_positions`).
+        window: optional sliding window W inside the document.
+        scale, enable_gqa: as for SDPA.
+
+    Returns:
+        [b, h, T, d].
+    """
+    mask = _document_mask(doc_pos, q.shape[-2], 0, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

@@ -8,12 +8,15 @@ Hugging Face models build their causal mask from positions instead of passing
     arange(T) ─ unsqueeze ─┘                            │
     q, k, v ───────────────────────────── scaled_dot_product_attention(q, k, v, mask)
 
-This pass finds every SDPA whose `attn_mask` is computed from positions only (no user
-input, no data) and proves, symbolically and for every sequence length
-(`passes/mask_proof.py`), what the mask is:
+This pass finds every SDPA whose `attn_mask` is computed from positions (and at most one
+integer input read per token: packed documents) and proves, symbolically and for every
+sequence length and input (`passes/mask_proof.py`, `passes/document_mask.py`), what the
+mask is:
 
     causal                  -> scaled_dot_product_attention(q, k, v, None, 0.0, True)
     sliding window of W     -> windowed_causal_attention(q, k, v, W)      (attention.py)
+    causal inside packed    -> document_causal_attention(q, k, v, doc_pos[, window=W])
+    documents                  doc_pos = document_positions(source input, convention)
 
 after which the mask subgraph is dead and removed. A mask that depends on user inputs
 (e.g. a padding `attention_mask`), or that cannot be proven to be one of these, raises
@@ -27,9 +30,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from sppo_fx.attention import windowed_causal_attention
+from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
-from sppo_fx.passes.mask_proof import Band, NotProvable, evaluate_mask, mask_kind
+from sppo_fx.passes.document_mask import document_positions_node, prove_mask
+from sppo_fx.passes.mask_proof import NotProvable
 from sppo_fx.passes.seqdim import SDPA, _is_size_node
 
 
@@ -63,7 +67,7 @@ def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: s
         `gm`, with recognised masks removed. Raises `SppoError` for a mask that depends on
         user inputs or is not provably causal.
     """
-    changed = False
+    changed, doc_nodes = False, {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
@@ -73,21 +77,23 @@ def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: s
         nodes = _ancestors(mask)
         user_inputs = [n for n in nodes if n.op == "placeholder" and n.name not in param_names
                        and any(not _is_size_node(u) and u in nodes for u in n.users)]
-        if user_inputs:
-            raise SppoError(
-                f"{describe_node(node)}: its attention mask depends on the input "
-                f"'{user_inputs[0].name}'. sppo_fx recognises causal masks built from positions "
-                "only; call the model without an attention mask (attention_mask=None) and "
-                "without packed position ids")
         try:
-            band = evaluate_mask(mask, seq, param_value)
             shape = mask.meta["val"].shape
-            if not isinstance(band, Band) or len(shape) < 2 or not all(_is_seq(s, seq) for s in shape[-2:]):
+            if len(shape) < 2 or not all(_is_seq(s, seq) for s in shape[-2:]):
                 raise NotProvable("it is not a sequence x sequence mask that depends on the query and key "
                                   "positions")
             dtype = mask.meta["val"].dtype
-            kind = mask_kind(band, "allowed" if dtype == torch.bool else "additive", dtype)
+            proven = prove_mask(mask, seq, param_value, "allowed" if dtype == torch.bool else "additive", dtype,
+                                node.args[0].meta["val"].dim())
+            kind = proven.kind
         except NotProvable as e:
+            if user_inputs:
+                raise SppoError(
+                    f"{describe_node(node)}: its attention mask depends on the input "
+                    f"'{user_inputs[0].name}' and is not provably causal attention inside packed documents "
+                    f"({e}). sppo_fx recognises causal masks built from positions, and packed documents from "
+                    "position_ids restarting at each document or from document ids; call the model without a "
+                    "padding attention mask (attention_mask=None)") from None
             raise SppoError(
                 f"{describe_node(node)}: its attention mask is not the causal mask or a sliding window "
                 f"(not provable: {e}). sppo_fx supports causal attention, optionally with a sliding "
@@ -95,7 +101,19 @@ def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: s
         args = list(node.args) + [None] * (6 - len(node.args))
         dropout = args[4] if args[4] is not None else node.kwargs.get("dropout_p", 0.0)
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "dropout_p", "is_causal")}
-        if kind.window is None:
+        if proven.documents is not None:
+            if dropout:
+                raise SppoError(f"{describe_node(node)}: attention inside packed documents with dropout is not "
+                                "supported; set the attention dropout to 0")
+            doc_pos = document_positions_node(gm, proven.documents, doc_nodes)
+            with gm.graph.inserting_after(node):
+                new = gm.graph.call_function(document_causal_attention, (*args[:3], doc_pos),
+                                             {**kwargs, "window": kind.window})
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            node = new
+        elif kind.window is None:
             node.args, node.kwargs = (args[0], args[1], args[2], None, dropout, True), kwargs
         else:
             if dropout:
@@ -110,6 +128,7 @@ def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: s
             node = windowed
         node.meta["sppo_causal_mask"] = mask.name
         node.meta["sppo_attention_window"] = kind.window
+        node.meta["sppo_documents"] = proven.documents
         changed = True
     if changed:
         gm.graph.eliminate_dead_code()

@@ -13,6 +13,9 @@ This pass matches that chain from each softmax over the key dim and rewrites it 
 
     scaled_dot_product_attention(q, k, v, None, 0.0, True, scale=s_q * s_k * s)
     windowed_causal_attention(q, k, v, window=W, scale=...)      (a sliding window of W)
+    document_causal_attention(q, k, v, doc_pos, window=W, ...)   (inside packed documents:
+                                  a mask that also reads position ids or document ids,
+                                  proven by `passes/document_mask.py`)
 
 only after `mask_proof` has shown that the mask blocks exactly the keys after the query
 (j - i >= 1), and for a window those at or before i - W, at every sequence length: `blocked` must evaluate to that Band, an additive
@@ -39,8 +42,9 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.errors import SppoError, describe_node
-from sppo_fx.attention import windowed_causal_attention
-from sppo_fx.passes.mask_proof import CAST_OPS, Band, MaskKind, NotProvable, evaluate_mask, is_blocking_fill, mask_kind
+from sppo_fx.attention import document_causal_attention, windowed_causal_attention
+from sppo_fx.passes.document_mask import ProvenMask, document_positions_node, prove_mask
+from sppo_fx.passes.mask_proof import CAST_OPS, NotProvable, evaluate_mask, is_blocking_fill
 from sppo_fx.passes.seqdim import SDPA
 
 aten = torch.ops.aten
@@ -209,24 +213,22 @@ def _mask_operand(op: fx.Node, chain_nodes: list):
     return (b if a in chain_nodes else a), "additive", None
 
 
-def _prove_causal(chain: _Chain, seq, param_value) -> tuple[str | None, MaskKind | None]:
-    """(None, kind) if the mask is causal or a sliding window for every length, else (why not, None)."""
+def _prove_causal(chain: _Chain, seq, param_value) -> tuple[str | None, ProvenMask | None]:
+    """(None, proven) if the mask is causal or a sliding window (inside packed documents, when
+    it reads position ids or document ids) for every length and input, else (why not, None)."""
     op = chain.mask_op
     if op is None:
         return "it has no mask (every query attends to every key)", None
     mask, how, fill = _mask_operand(op, chain.nodes)
     dtype = op.meta["val"].dtype
     try:
-        band = evaluate_mask(mask, seq, param_value)
         if how != "additive":
             fill_v = fill
             if isinstance(fill, fx.Node):
                 fill_v = getattr(evaluate_mask(fill, seq, param_value), "value", None)
             if fill_v is None or not is_blocking_fill(fill_v, dtype):
                 return f"its masked scores are filled with {fill_v}, not -inf or finfo({dtype}).min", None
-        if not isinstance(band, Band):
-            return "its mask does not depend on the query and key positions", None
-        return None, mask_kind(band, how, dtype)
+        return None, prove_mask(mask, seq, param_value, how, dtype, chain.softmax.meta["val"].dim())
     except NotProvable as e:
         return f"its mask is not the causal mask or a sliding window ({e})", None
 
@@ -260,7 +262,7 @@ def recognize_explicit_attention(gm: fx.GraphModule, seq: sympy.Symbol, param_va
     Returns:
         `gm`. Raises `SppoError` for explicit attention that cannot be made exact.
     """
-    changed = False
+    changed, doc_nodes = False, {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _SOFTMAX:
             continue
@@ -268,16 +270,23 @@ def recognize_explicit_attention(gm: fx.GraphModule, seq: sympy.Symbol, param_va
         if chain is None:
             continue
         why = _check_shapes(chain, seq)
-        kind = None
+        proven = None
         if why is None:
-            why, kind = _prove_causal(chain, seq, param_value)
+            why, proven = _prove_causal(chain, seq, param_value)
         if why is not None:
             raise SppoError(f"{describe_node(chain.softmax)}: explicit attention that sppo_fx cannot chunk "
                             f"exactly: {why}. sppo_fx supports causal attention only")
         if chain.dropout_issue:
             raise SppoError(chain.dropout_issue)
+        kind = proven.kind
+        doc_pos = document_positions_node(gm, proven.documents, doc_nodes) if proven.documents else None
         with gm.graph.inserting_before(chain.out):
-            if kind.window is None:
+            if doc_pos is not None:
+                sdpa = gm.graph.call_function(document_causal_attention, (chain.q, chain.k, chain.v, doc_pos),
+                                              {"scale": chain.scale, "window": kind.window})
+                sdpa.meta["sppo_attention_window"] = kind.window
+                sdpa.meta["sppo_documents"] = proven.documents
+            elif kind.window is None:
                 sdpa = gm.graph.call_function(SDPA, (chain.q, chain.k, chain.v, None, 0.0, True),
                                               {"scale": chain.scale})
             else:

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch.utils._sympy.functions import FloorDiv
 
-from sppo_fx.attention import prefix_causal_attention
+from sppo_fx.attention import document_causal_attention, prefix_causal_attention
 from sppo_fx.errors import SppoError, describe_node, source_line
 from sppo_fx.passes.seqdim import _is_size_node, arg_expr, loss_reduction
 
@@ -53,6 +53,9 @@ class AttentionSite:
         k_shape / v_shape: shapes of K and V with the sequence dim (-2) set to 0.
         dtype: K/V dtype.
         window: sliding window W (a query sees its W most recent keys), None if unbounded.
+        documents: the boundary (prologue output, `attention.document_positions`) holding
+            each token's position inside its packed document; None: one document. The
+            runtime reads it to start a chunk's prefix at its first token's document.
     """
 
     name: str
@@ -61,6 +64,7 @@ class AttentionSite:
     v_shape: tuple
     dtype: torch.dtype
     window: int | None = None
+    documents: str | None = None
 
 
 @dataclasses.dataclass
@@ -443,12 +447,15 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
             k = cb.graph.call_function(aten.contiguous.default, (k,))
             v = cb.graph.call_function(aten.contiguous.default, (v,))
             kwargs = {key: n.kwargs[key] for key in ("scale", "enable_gqa", "window") if key in n.kwargs}
+            documents = n.args[3] if n.target is document_causal_attention else None
+            if documents is not None:  # each query's position in its document, this chunk's slice
+                kwargs["doc_pos"] = cb.get(documents)
             out = cb.graph.call_function(prefix_causal_attention, (q, kp, k, vp, v), kwargs)
             cb.env[n] = _copy_meta(out, n)
             kv_out += [k, v]
             attention.append(AttentionSite(n.name, source_line(n), _prefix_shape(n.args[1], seq),
                                            _prefix_shape(n.args[2], seq), n.args[1].meta["val"].dtype,
-                                           n.kwargs.get("window")))
+                                           n.kwargs.get("window"), documents.name if documents is not None else None))
         elif r == "reduction":
             op, parts = _reduction_partials(cb, n)
             partials += parts

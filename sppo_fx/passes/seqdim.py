@@ -36,7 +36,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from sppo_fx.attention import windowed_causal_attention
+from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.markers import SPLIT_POINT
 
@@ -235,7 +235,7 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
         return "concatenates along the sequence dimension"
     if target in _FACTORIES:
         return None  # sources: classified by `kind`, rewritten by the chunk pass
-    if target is SDPA or target is windowed_causal_attention:
+    if target is SDPA or target in (windowed_causal_attention, document_causal_attention):
         return "attention"
     if target in _FULL_REDUCTIONS or target in _LOSSES:
         if target in _LOSSES and loss_reduction(node) == 0:
@@ -335,7 +335,7 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
         if kind == INPUT:
             info.role = "prologue"
             continue
-        if node.target is windowed_causal_attention:  # proven by passes.causal_mask
+        if node.target in (windowed_causal_attention, document_causal_attention):  # proven by passes.causal_mask
             info.role = "attention"
             continue
         if node.target is SDPA:

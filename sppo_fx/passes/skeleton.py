@@ -48,6 +48,9 @@ def stream_kv_skeleton(chunk: fx.GraphModule, num_sites: int) -> fx.GraphModule:
         if node.kwargs.get("window") is not None:
             raise SppoError(f"skeleton='offload' does not support sliding-window attention yet (attention "
                             f"site {s} has a window of {node.kwargs['window']} tokens): use skeleton='keep'")
+        if node.kwargs.get("doc_pos") is not None:
+            raise SppoError(f"skeleton='offload' does not support attention inside packed documents yet "
+                            f"(attention site {s}): use skeleton='keep'")
         for prefix in (kp, vp):
             if prefix.op != "placeholder" or len(prefix.users) != 1:
                 raise SppoError(f"stream_kv_skeleton: the K/V prefix {prefix.name} of attention site {s} is "

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from sppo_fx.errors import SppoError
 from sppo_fx.markers import SPLIT_POINT
-from sppo_fx.attention import windowed_causal_attention
+from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.passes.seqdim import DATA, SDPA
 
 aten = torch.ops.aten
@@ -81,7 +81,7 @@ def node_flops(node: fx.Node, seq: sympy.Symbol, length: int = _REFERENCE_LEN) -
         k = a.meta["val"].shape[-1]
         k = float(k.node.expr.subs(seq, length)) if isinstance(k, torch.SymInt) else int(k)
         return 2.0 * out * k
-    if node.target is SDPA or node.target is windowed_causal_attention:
+    if node.target is SDPA or node.target in (windowed_causal_attention, document_causal_attention):
         q = node.args[0].meta["val"]
         t = _numel(q, seq, length) / (q.shape[-1] if isinstance(q.shape[-1], int) else 1)
         if not isinstance(q.shape[-2], torch.SymInt):

@@ -80,6 +80,7 @@ class _MicroBatch:
         self.totals = None
         self.loss = None
         self.total_grads = None
+        self.doc_starts: dict[str, list[int]] = {}  # packed documents: boundary -> first visible position
 
 
 class StageRunner:
@@ -213,14 +214,25 @@ class StageRunner:
                     mb.kv_buffers.append(torch.empty(full, dtype=site.dtype, device=device))
         start = self.plan.starts[i]
         return [buf[..., lo:start, :].data.requires_grad_(self.needs_grad)
-                for buf, lo in zip(mb.kv_buffers, self._prefix_starts(start))]
+                for buf, lo in zip(mb.kv_buffers, self._prefix_starts(start, mb))]
 
-    def _prefix_starts(self, start: int) -> list[int]:
+    def _prefix_starts(self, start: int, mb: _MicroBatch) -> list[int]:
         """Per K/V buffer (K then V per site): the first position a chunk starting at
         `start` reads. A sliding window of W reads only the last W-1 positions, so its
-        prefix, and the gradient split over earlier chunks, stay bounded by W."""
-        return [0 if site.window is None else max(0, start - (site.window - 1))
+        prefix, and the gradient split over earlier chunks, stay bounded by W. Inside
+        packed documents it starts at the document of the chunk's first token (the
+        earliest over the batch rows): earlier documents are neither read nor sent
+        gradients."""
+        return [max(0 if site.window is None else start - (site.window - 1),
+                    self._document_start(mb, site.documents, start) if site.documents else 0)
                 for site in self.program.attention for _ in range(2)]
+
+    def _document_start(self, mb: _MicroBatch, name: str, start: int) -> int:
+        if name not in mb.doc_starts:  # once per micro-batch: doc_pos is a prologue output
+            doc_pos = mb.boundary[[b.name for b in self.program.boundaries].index(name)]
+            first = torch.arange(doc_pos.shape[-1], device=doc_pos.device) - doc_pos
+            mb.doc_starts[name] = first.amin(0).tolist()
+        return mb.doc_starts[name][start] if start < len(mb.doc_starts[name]) else start
 
     def forward(self, mb: int, i: int, recvs: list[torch.Tensor] = ()) -> list[torch.Tensor]:
         """Forward of chunk `i` of micro-batch `mb`; returns the activations to send (detached)."""
@@ -366,7 +378,7 @@ class StageRunner:
             with active_memory(st.memory), self._split(i):
                 torch.autograd.backward(outs, grads, inputs=leaves + prefix + recvs)
             bounds = self.plan.bounds()[:i]
-            for j, (t, lo) in enumerate(zip(prefix, self._prefix_starts(bounds[-1][1] if bounds else 0))):
+            for j, (t, lo) in enumerate(zip(prefix, self._prefix_starts(bounds[-1][1] if bounds else 0, m))):
                 gp, t.grad = t.grad, None
                 if gp is None:
                     continue
