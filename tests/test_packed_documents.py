@@ -319,3 +319,14 @@ def test_documents_in_pipeline_stages_compose_to_the_eager_model():
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[id(p)], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_documents_refuse_sequence_parallelism_at_the_pass():
+    from sppo_fx.capture import capture
+    from sppo_fx.passes import transform
+    from sppo_fx.passes.sequence_parallel import shard_attention_heads
+    model = DocModel(layers=1)
+    ids = torch.randint(0, 101, (1, 24))
+    cap = capture(model, None, None, (ids, _doc_ids([[10, 14]]), ids), {}, None, 1)
+    with pytest.raises(SppoError, match="packed documents, which seq_parallel=2 does not support"):
+        shard_attention_heads(transform(cap)[1], 2, "g")

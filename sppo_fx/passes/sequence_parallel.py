@@ -79,6 +79,11 @@ def shard_attention_heads(program: ChunkedProgram, parts: int, group: str) -> Ch
     outs = list(output.args[0])
     n_kv = 2 * len(calls)
     kv_outs = outs[len(outs) - n_kv:]
+    documents = [s for s in program.attention if s.documents is not None]
+    if documents:
+        raise SppoError(f"attention {documents[0].name} ({documents[0].source}) masks packed documents, which "
+                        f"seq_parallel={parts} does not support yet (each rank would need the whole chunk's "
+                        "document positions): use seq_parallel=1 with packed documents")
     sites = []
     for k_idx, (call, site) in enumerate(zip(calls, program.attention)):
         q, kp, k, vp, v = call.args[:5]
