@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--plan-seed", type=int, default=None, help="(test) perturb this rank's chunking")
     p.add_argument("--seq-parallel", type=int, default=None, help="sequence-parallel ranks per stage (default 1)")
     p.add_argument("--data-parallel", type=int, default=None, help="data-parallel replicas (default 1)")
+    p.add_argument("--device-mesh", action="store_true",
+                   help="pass the layout as a torch DeviceMesh with dims ('pp', 'dp', 'sp') (mesh=)")
     p.add_argument("--plan", default=None, help="a saved plan (sppo-fx plan ... --json): its layout and chunks")
     p.add_argument("--kv-heads", type=int, default=None, help="(llama) K/V heads (grouped-query attention)")
     p.add_argument("--ignore-every", type=int, default=0,
@@ -118,11 +120,13 @@ def main(argv=None) -> int:
     if args.plan_seed is not None and rank == world - 1:
         lengths = [args.seq_len - 1, 1]
     chunks = None if lengths or args.chunks == "auto" or args.plan else int(args.chunks)
-    compiled = sppo_fx.compile(model, chunks=chunks, chunk_lengths=lengths,
-                               stages=world // (sp * dp), microbatches=args.microbatches, schedule=args.schedule,
-                               compile=args.compile, timeout_s=args.timeout, offload=args.offload,
-                               budget=args.budget, seq_parallel=sp, data_parallel=dp,
-                               plan=plan if args.plan else None)
+    layout = dict(stages=world // (sp * dp), seq_parallel=sp, data_parallel=dp)
+    if args.device_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+        layout = dict(mesh=init_device_mesh("cpu", (world // (sp * dp), dp, sp), mesh_dim_names=("pp", "dp", "sp")))
+    compiled = sppo_fx.compile(model, chunks=chunks, chunk_lengths=lengths, microbatches=args.microbatches,
+                               schedule=args.schedule, compile=args.compile, timeout_s=args.timeout,
+                               offload=args.offload, budget=args.budget, plan=plan if args.plan else None, **layout)
     if args.fail_rank == rank:
         _inject_failure(args.fail_at, args.fail_how)
     for step in range(args.steps):
@@ -144,7 +148,9 @@ def main(argv=None) -> int:
         grads = {n: prm.grad for n, prm in model.named_parameters() if prm.grad is not None}
         torch.save({"loss": loss, "grads": grads, "blocks": [s.blocks for s in compiled.pipeline.stages],
                     "chunk_lengths": compiled.plan.chunk_lengths, "offload_ratios": compiled.plan.offload_ratios,
-                    "store": compiled.store.stats() if compiled.store is not None else None},
+                    "store": compiled.store.stats() if compiled.store is not None else None,
+                    "chunk_ops": sorted({str(n.target) for n in compiled.graphs["chunk"].graph.nodes
+                                         if n.op == "call_function"})},
                    os.path.join(args.dump, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
     return 0

@@ -81,6 +81,8 @@ def _check_exact(tmp_path, nprocs, kind, args, seq_len=32, batch=2, microbatches
 def test_seq_parallel_2_gpt_uneven_chunk_and_ignored_targets(tmp_path):
     # 1 × 1 × 2; the first chunk's 9 tokens split 5 / 4; a third of the targets ignored
     _check_exact(tmp_path, 2, "gpt", ["--seq-parallel", "2", "--chunk-lengths", "9,23"], ignore_every=3)
+    ops = torch.load(tmp_path / "dump" / "rank0.pt")["chunk_ops"]  # compiled.graphs["chunk"]: this rank's
+    assert "sppo.seq_to_heads.default" in ops and "sppo.heads_to_seq.default" in ops
 
 
 def test_seq_parallel_4_llama_more_ranks_than_kv_heads(tmp_path):
@@ -104,9 +106,9 @@ def test_pipeline_and_data_parallel_gpt(tmp_path):
 
 
 def test_data_and_seq_parallel_normalise_by_the_global_token_count(tmp_path):
-    # 1 × 2 × 2: replicas hold different numbers of counted tokens (every 5th ignored)
-    _check_exact(tmp_path, 4, "llama", ["--data-parallel", "2", "--seq-parallel", "2", "--chunks", "2"],
-                 ignore_every=5)
+    # 1 × 2 × 2 given as a DeviceMesh: replicas hold different numbers of counted tokens
+    _check_exact(tmp_path, 4, "llama", ["--data-parallel", "2", "--seq-parallel", "2", "--chunks", "2",
+                                        "--device-mesh"], ignore_every=5)
 
 
 def test_chunk_with_fewer_tokens_than_seq_parallel_fails_before_a_step(tmp_path):
