@@ -424,6 +424,27 @@ class SppoCompiled:
         """The ChunkedProgram of the last call."""
         return self._require_entry().program
 
+    def predicted(self) -> tuple[int, float]:
+        """(predicted peak extra bytes, predicted step seconds) of the last call's plan, from
+        the budget solver's memory and time models, also for plans the solver did not
+        choose (fixed chunks, a manual `offload` tier). Builds the memory model of the
+        plan's recompute policy if no budget did (AOTAutograd traces: seconds)."""
+        from sppo_fx.solver.budget import memory_models
+        from sppo_fx.solver.predict import predict_plan
+        from sppo_fx.solver.profile_cache import device_profile
+        e, o = self._require_entry(), self.options
+        if self.plan.peak_bytes is not None and self.plan.step_seconds is not None:
+            return self.plan.peak_bytes, self.plan.step_seconds
+        recompute = self.plan.recompute or ("none" if o.recompute == "auto" else o.recompute)
+        if recompute not in e.memory:
+            params = [e.captured.param_value(n) for n in e.program.params]
+            (e.memory[recompute],) = memory_models(e.program, e.captured.seq, params, (recompute,))
+        device = next((e.captured.param_value(n).device.type for n in e.program.params), "cpu")
+        self.profile = self.profile or device_profile(device, dir=o.offload_dir)
+        skeleton = self.plan.skeleton or ("keep" if o.skeleton == "auto" else o.skeleton)
+        return predict_plan(e.cost, e.memory[recompute], self.plan, offload=o.offload, skeleton=skeleton,
+                            profile=self.profile, device=device)
+
     @property
     def mesh(self):
         """This rank's `runtime.mesh.ParallelMesh` (peers and process groups), after the first

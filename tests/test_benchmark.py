@@ -110,7 +110,7 @@ def test_ratio_to_a_denominator_within_noise_of_zero_is_a_dash_with_a_footnote()
     table = report.format_table(rows, base, notes)
     line = next(ln for ln in table.splitlines() if ln.startswith("sppo chunks=2"))
     assert "–" in line and "within noise of zero" in table
-    assert "only when solved for a budget" in table  # the library row without a prediction says why
+    assert "pipeline plans predict their step time only" in table  # a row without a prediction says why
     # a baseline whose own peak varies over rounds by as much as it is large is noise too
     rows = [_row("eager", [1.0, 1.0], [0, 60 * MiB], anchor=True), _row("sppo", [1.0, 1.0], [9 * MiB] * 2)]
     add_ratios(rows, "eager")
@@ -214,6 +214,9 @@ def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     budgeted = rows["sppo budget=1GiB recompute=none"]
     assert budgeted["budget_bytes"] == 2**30 and budgeted["predicted_peak_bytes"] > 0
     assert budgeted["predicted_step_s"] > 0 and "time_vs_predicted" in budgeted
+    # a plan the solver did not choose is predicted by the same models
+    fixed = rows["sppo chunks=2 recompute=none"]
+    assert fixed["predicted_peak_bytes"] > 0 and fixed["predicted_step_s"] > 0 and "peak_vs_predicted" in fixed
     assert "pred. peak MiB" in stdout and "vs checkpoint" in stdout and "[round 1/1, 4/4]" in err
     assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p.svg").exists()
 

@@ -243,3 +243,22 @@ def test_memory_models_of_a_model_on_another_device():
     params = [cap.param_value(n) for n in program.params]
     (mem,) = memory_models(program, cap.seq, params, ("none",))
     assert mem.level1(16, 32) > 0 and mem.level2(16, 32) > 0
+
+
+def test_plans_the_solver_did_not_choose_are_predicted_by_its_models():
+    """`SppoCompiled.predicted` for a fixed chunking: offloading every chunk but the last
+    lowers the predicted peak; the prediction is the solver's own for the same ratios."""
+    import sppo_fx
+    from sppo_fx.models import build
+    from sppo_fx.solver.budget import predict_peak
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    x = torch.randint(0, 97, (1, 128))
+    kept = sppo_fx.compile(model, chunks=4, compile=False)
+    kept(x, x).backward()
+    off = sppo_fx.compile(model, chunks=4, compile=False, offload="disk")
+    off(x, x).backward()
+    (peak_kept, s_kept), (peak_off, s_off) = kept.predicted(), off.predicted()
+    assert 0 < peak_off < peak_kept and s_kept > 0 and s_off >= s_kept
+    memory = kept._last.memory["none"]
+    assert peak_kept == predict_peak(memory, kept.plan.chunk_lengths, [0.0] * 4)

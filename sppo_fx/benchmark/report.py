@@ -60,7 +60,7 @@ def format_table(rows: list[dict], baseline: dict | None, footnotes: list[str], 
     if any(r.get("budget_bytes") for r in rows if "error" not in r):
         notes.append("fits: measured peak <= budget + 10% + 16 MiB (RSS also holds what no plan controls)")
     if any("predicted_peak_bytes" in r and r["predicted_peak_bytes"] is None for r in rows):
-        notes.append("pred. –: the plan predicts peak memory only when solved for a budget")
+        notes.append("pred. –: pipeline plans predict their step time only (per-rank peaks are not modelled)")
     return text + "".join("\n" + n for n in notes)
 
 

@@ -84,12 +84,14 @@ def _minimum_budget(cfg: BenchConfig, model, x, y) -> int:
 def _prediction(compiled) -> tuple[int | None, float | None]:
     """(predicted peak bytes, predicted step seconds) of the plan that ran.
 
-    A budget plan carries both; a pipeline plan chosen by the solver carries a step time.
-    A plan without a budget carries neither (`Plan.peak_bytes` is set only by the budget
-    solver), so those rows show no prediction."""
+    A budget plan carries both; any other single-stage plan (fixed chunks, a manual
+    offload tier) is predicted by the same models (`SppoCompiled.predicted`); a pipeline
+    plan chosen by the solver carries a step time only."""
     plan = compiled.plan
+    if compiled.options.stages == 1:
+        return compiled.predicted()
     peak, seconds = getattr(plan, "peak_bytes", None), getattr(plan, "step_seconds", None)
-    pred = compiled.pipeline_prediction() if compiled.options.stages > 1 else None
+    pred = compiled.pipeline_prediction()
     if seconds is None and pred:
         seconds = pred[0].step_seconds
     return peak, seconds
