@@ -30,6 +30,10 @@ What 2 cores cannot show: speed-up. Two ranks on two cores that other processes 
 machine, so a layout's step time against the one-process step says little about how it
 scales; and the link here is loopback through gloo (shared memory copies by the same
 cores), not NVLink or InfiniBand, so communication's share of the step is not a cluster's.
+Nor can it pin the time of communication: every collective is a rendezvous of the two
+ranks, and on an oversubscribed machine each one waits for whichever rank the scheduler
+has put aside, so S=2's 8 all-to-alls per attention site per chunk measure many times
+their predicted transfer time (the "measured ms" column) while their bytes match exactly.
 """
 from __future__ import annotations
 
