@@ -18,7 +18,8 @@ against the step time the cost model predicts for each layout.
    and 1/S of the heads inside it; D: 1/D of the sequences), plus the all-to-alls (S: 4 per
    attention site per chunk forward, 4 backward), the gradient all-reduce over dp × sp (S
    and D: one per parameter, 2·(n-1)/n of its bytes) and, for P, the stage-boundary
-   transfers on the fill and drain, at the calibrated link rates.
+   transfers on the fill and drain and the tied parameters' gradient exchange, at the
+   calibrated link rates.
 
 What 2 cores can show: whether the model of each layout holds on this machine, i.e. that
 each rank's compute is the predicted share (1/P of the layers, ~1/S or 1/D of the FLOPs
@@ -184,7 +185,12 @@ def main():
     cfg = model.config
     hidden = getattr(cfg, "dim", None) or cfg.n_embd
     params = [q.numel() * q.element_size() for q in model.parameters()]
-    common = dict(sites=sites, param_bytes=params, boundary_bytes_per_token=args.batch * hidden * 4,
+    uses = {}
+    for _, q in model.named_parameters(remove_duplicate=False):
+        uses[id(q)] = (q, uses.get(id(q), (q, 0))[1] + 1)
+    tied = [q.numel() * q.element_size() for q, n in uses.values() if n > 1]
+    common = dict(sites=sites, param_bytes=params, tied_param_bytes=tied,
+                  boundary_bytes_per_token=args.batch * hidden * 4,
                   link_all_to_all=links["all-to-all"], link_all_reduce=links["all-reduce"],
                   link_p2p=links.get("p2p", links["all-to-all"]))
     rows, records = [], []

@@ -107,6 +107,14 @@ def test_pipeline_is_the_schedule_clock_plus_boundary_transfers_on_fill_and_drai
     assert two.comm_calls["p2p"] == len(lengths) and two.comm_bytes["all-reduce"] == 0
     assert two.comm_seconds["p2p"] == pytest.approx(
         LINK.seconds(lengths[0] * B * hidden * 4) + LINK.seconds(lengths[-1] * B * hidden * 4))
+    # tied parameters (first and last stage): their gradients cross the boundary once per step
+    tied = predict_layout(cost, ComputeModel(1e9, 0.0), lengths, 2, sites=_llama_tiny()[1], param_bytes=[],
+                          boundary_bytes_per_token=B * hidden * 4, tied_param_bytes=[1000], **LINKS)
+    assert tied.comm_bytes["p2p"] == pytest.approx(two.comm_bytes["p2p"] + 1000)
+    assert tied.comm_calls["p2p"] == two.comm_calls["p2p"] + 1
+    assert tied.comm_seconds["p2p"] == pytest.approx(two.comm_seconds["p2p"] + LINK.seconds(1000))
+    one = predict_layout(cost, ComputeModel(1e9, 0.0), lengths, tied_param_bytes=[1000], **LINKS)
+    assert one.comm_bytes["p2p"] == 0  # one stage: nothing to exchange
 
 
 def test_link_fit_is_latency_plus_bandwidth_and_bounded_on_noise():

@@ -16,7 +16,8 @@ Per rank, for chunks of c tokens, b sequences, S sequence-parallel and D data-pa
     p2p       P > 1: boundary activations forward and their gradients backward are posted
               with isend and overlap compute, except on the fill and drain: one forward
               transfer of the first chunk and one backward transfer of the last chunk per
-              stage boundary are added.
+              stage boundary are added; parameters used by several stages (tied
+              embeddings) have their gradients exchanged after the last backward.
 
 Collectives block the rank (the all-to-alls sit inside the chunk, the all-reduce after it),
 so their time adds to compute. A collective of B bytes takes latency + B / bandwidth
@@ -109,7 +110,7 @@ def predict_layout(cost: ChunkCostModel, compute: ComputeModel, lengths: list[in
                    sp: int = 1, *, link_all_to_all: LinkModel | None = None, link_all_reduce: LinkModel | None = None,
                    link_p2p: LinkModel | None = None, sites: list[AttentionSite] = (),
                    param_bytes: list[int] = (), boundary_bytes_per_token: float = 0.0, microbatches: int = 1,
-                   schedule: str = "1f1b") -> LayoutPrediction:
+                   schedule: str = "1f1b", tied_param_bytes: list[int] = ()) -> LayoutPrediction:
     """Predict one rank's step of the layout pp × dp × sp (see the module docstring).
 
     Args:
@@ -123,6 +124,8 @@ def predict_layout(cost: ChunkCostModel, compute: ComputeModel, lengths: list[in
         boundary_bytes_per_token: bytes crossing a stage boundary per token of the full
             micro-batch (all sequences), e.g. b·hidden·dtype.
         microbatches / schedule: the pipeline schedule.
+        tied_param_bytes: bytes of every parameter that several stages use (tied
+            embeddings); with P > 1 a stage sends each one's gradient to the others.
 
     Returns:
         The LayoutPrediction.
@@ -158,4 +161,7 @@ def predict_layout(cost: ChunkCostModel, compute: ComputeModel, lengths: list[in
         calls["p2p"] = microbatches * len(lengths)
         seconds["p2p"] = (pp - 1) * (link_p2p.seconds(lengths[0] * per_token)
                                      + link_p2p.seconds(lengths[-1] * per_token))
+        sent["p2p"] += sum(tied_param_bytes)
+        calls["p2p"] += len(tied_param_bytes)
+        seconds["p2p"] += sum(link_p2p.seconds(nbytes) for nbytes in tied_param_bytes)
     return LayoutPrediction(pp, dp, sp, clock.step_seconds, seconds, sent, calls)
