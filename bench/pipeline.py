@@ -6,7 +6,8 @@
 1. Calibration, out of sample (this process, one thread per rank as under torchrun): the
    eager model's forward and forward+backward on the full sequence give the FLOP rate and
    the backward/forward ratio; a *two-chunk* run through sppo_fx gives the per-chunk
-   efficiency (c_half). The measured configuration itself is never used to calibrate.
+   efficiency (c_half) (`sppo_fx/benchmark/calibration.py`, shared with bench/scale.py).
+   The measured configuration itself is never used to calibrate.
 2. The run: P ranks on this machine (gloo; P = 1 runs in this process), a warm-up step and
    timed steps; every pipeline rank records each action's wall-clock span.
 3. Predictions of the same schedule with durations from the cost model: the schedule
@@ -34,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import sppo_fx  # noqa: E402
+from sppo_fx.benchmark.calibration import calibrate_compute  # noqa: E402
 from sppo_fx.capture import capture  # noqa: E402
 from sppo_fx.models import build  # noqa: E402
 from sppo_fx.passes import transform  # noqa: E402
@@ -55,16 +57,6 @@ def _data(args, model):
     v = model.config.vocab_size
     return (torch.randint(0, v, (args.batch, args.seq_len), generator=gen),
             torch.randint(0, v, (args.batch, args.seq_len), generator=gen))
-
-
-def _timed(fn, reps):
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def worker(args):
@@ -127,32 +119,8 @@ def main():
     T = args.seq_len
 
     # ---- calibration (never the measured configuration) ----
-    def eager_fwd():
-        with torch.no_grad():
-            model(x[:mb], y[:mb])
-
-    def eager():
-        model.zero_grad(set_to_none=True)
-        model(x[:mb], y[:mb]).backward()
-
-    t_fwd, t_eager = _timed(eager_fwd, 2), _timed(eager, 2)
-    cost.backward_factor = max((t_eager - t_fwd) / t_fwd, 0.5)
-    rate = cost.forward_flops(T, 0) * (1 + cost.backward_factor) / t_eager
-    two = sppo_fx.compile(model, chunks=2, compile=False)
-
-    def chunked_two():
-        model.zero_grad(set_to_none=True)
-        two(x[:mb], y[:mb]).backward()
-
-    t_two = _timed(chunked_two, 2)
-    lengths_two = two.plan.chunk_lengths
-    # t_two = sum over the two chunks of flops / (rate * c / (c + c_half)); solve for c_half
-    flops_two = [cost.forward_flops(c, s) * (1 + cost.backward_factor)
-                 for c, s in zip(lengths_two, [0, lengths_two[0]])]
-    base = sum(flops_two) / rate
-    extra = sum(f / c for f, c in zip(flops_two, lengths_two)) / rate
-    c_half = max((t_two - base) / extra, 0.0) if extra else 0.0
-    compute = ComputeModel(rate, c_half)
+    calib = calibrate_compute(model, (x[:mb], y[:mb]), cost, T)
+    compute = calib.compute
 
     # ---- the measured run ----
     if args.stages == 1:
@@ -191,9 +159,7 @@ def main():
     ]
     print(f"\nsppo_fx pipeline benchmark: {args.model}-{args.size}, T={T}, batch {args.batch}, "
           f"P={args.stages}, M={args.microbatches}, {args.schedule}, chunks {lengths}")
-    print(f"calibration (1 thread, out of sample): eager fwd {t_fwd:.3f} s, fwd+bwd {t_eager:.3f} s -> "
-          f"{rate / 1e9:.2f} GFLOP/s, backward/forward {cost.backward_factor:.2f}; 2-chunk run {t_two:.3f} s "
-          f"-> c_half {c_half:.0f} tokens")
+    print(f"calibration (1 thread, out of sample): {calib.describe()}")
     print(tabulate(rows, headers=["", "measured", "predicted (schedule clock)", "predicted (simulator)",
                                   "simulator / measured"]))
     if args.json:
@@ -201,7 +167,7 @@ def main():
             json.dump({"measured_step_s": step, "predicted_step_s": pred.step_seconds,
                        "simulated_step_s": sim.step_seconds, "measured_bubble": bubble,
                        "predicted_bubble": pred.bubble_fraction, "simulated_bubble": sim.bubble_fraction,
-                       "chunk_lengths": lengths, "t_eager": t_eager, "t_two_chunks": t_two}, f, indent=1)
+                       "chunk_lengths": lengths, "t_eager": calib.t_eager, "t_two_chunks": calib.t_two_chunks}, f, indent=1)
 
 
 if __name__ == "__main__":
