@@ -8,7 +8,10 @@ which each chunk holds until its backward anyway (to receive dK/dV from later ch
 * the window lies inside the previous chunk (chunks at least W-1 long): the prefix is a view
   of that chunk's K/V output, so the skeleton allocates nothing;
 * it spans several earlier chunks (shorter chunks): one contiguous copy of those <= W-1 rows,
-  private to the reading chunk and dropped with its state at its backward.
+  private to the reading chunk and dropped with its state at its backward. Every chunk's
+  backward reads its window again after all forwards, so these copies add up over the
+  sequence; when they would exceed one full-sequence buffer (`copy_rows` >= T), the site
+  keeps that buffer instead (the smaller of the two, both exact).
 
 Either way a chunk's rows are read by no chunk that starts W-1 or more positions after them,
 and the gradient of the prefix is split over the earlier chunks exactly as for a full buffer
@@ -37,6 +40,16 @@ def window_prefix(kv_of, bounds: list[tuple[int, int]], k: int, lo: int, start: 
     if lo >= start or not pieces:
         return torch.empty(empty_shape, dtype=dtype, device=device)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, -2)
+
+
+def copy_rows(bounds: list[tuple[int, int]], window: int) -> int:
+    """K/V rows per buffer the window prefixes copy over the whole sequence (`window_prefix`):
+    those of every chunk whose window reaches back past the previous chunk's start."""
+    rows = 0
+    for i in range(1, len(bounds)):
+        start, lo = bounds[i][0], max(0, bounds[i][0] - (window - 1))
+        rows += start - lo if lo < bounds[i - 1][0] else 0
+    return rows
 
 
 def skeleton_bytes(states, buffers) -> int:

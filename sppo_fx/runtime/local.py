@@ -31,7 +31,7 @@ from sppo_fx.ops.offload import MatmulGrad, active_memory
 from sppo_fx.ops.seq_parallel import active_split
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
-from sppo_fx.runtime.kv_window import skeleton_bytes, window_prefix
+from sppo_fx.runtime.kv_window import copy_rows, skeleton_bytes, window_prefix
 from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
 import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 
@@ -214,9 +214,9 @@ class StageRunner:
             for site, shape in sites:
                 full = list(shape)
                 full[-2] = self.plan.seq_len
-                # a windowed site keeps no full-sequence buffer (runtime/kv_window.py)
-                mb.kv_buffers.append(None if site.window is not None else
-                                     torch.empty(full, dtype=site.dtype, device=device))
+                # no full-sequence buffer for a window, unless its copies are larger (runtime/kv_window.py)
+                bounded = site.window is not None and copy_rows(self.plan.bounds(), site.window) < self.plan.seq_len
+                mb.kv_buffers.append(None if bounded else torch.empty(full, dtype=site.dtype, device=device))
         start = self.plan.starts[i]
         out = []
         for k, ((site, shape), buf, lo) in enumerate(zip(sites, mb.kv_buffers, self._prefix_starts(start, mb))):
