@@ -237,3 +237,12 @@ def test_window_skeleton_bytes_do_not_grow_with_the_sequence(monkeypatch):
     causal_short, causal_long = held[(None, 4 * window)], held[(None, 16 * window)]
     assert causal_short > 0 and causal_long == 4 * causal_short
     assert held[(window, 16 * window)] == held[(window, 4 * window)] < causal_short
+
+
+def test_window_copies_counted_where_the_window_reaches_past_the_previous_chunk():
+    """`copy_rows` decides between per-chunk window copies and one full buffer."""
+    from sppo_fx.runtime.kv_window import copy_rows
+    bounds = lambda lengths: [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]  # noqa: E731
+    assert copy_rows(bounds([8] * 4), 8) == 0  # every window lies inside the previous chunk: views
+    assert copy_rows(bounds([4] * 4), 8) == 7 + 7  # chunks 2 and 3 read 7 rows over two chunks
+    assert copy_rows(bounds([5, 20, 3, 20]), 16) == 15  # only the chunk after the 3-token one
