@@ -209,3 +209,40 @@ def test_window_prefix_and_its_gradients_stay_within_the_window(monkeypatch):
                          lambda: compiled(input_ids=ids, labels=ids))
     assert prefixes == [[0, 0]] + [[min(6 * i, 7)] * 2 for i in range(1, 8)]
     assert grads and max(grads) <= 7
+
+
+def test_window_skeleton_bytes_do_not_grow_with_the_sequence(monkeypatch):
+    """T = 4W and 16W, same chunks: the K/V skeleton held at the end of the forward (its
+    peak: the backward only frees it) is the same for a windowed model, while a causal one's
+    grows with T (the measurement sees a skeleton when there is one); losses and gradients
+    still equal eager's."""
+    from sppo_fx.runtime.local import StageRunner
+    held = {}
+    finish = StageRunner.finish_forward
+
+    def recording_finish(self, mb):
+        held[(self.program.attention[0].window, self.plan.seq_len)] = self.skeleton_bytes(mb)
+        return finish(self, mb)
+
+    monkeypatch.setattr(StageRunner, "finish_forward", recording_finish)
+    window, chunk = 8, 8
+    for w in (window, None):
+        model = _family("mistral", window=w, layers=1)
+        for t in (4 * window, 16 * window):
+            ids = torch.randint(0, 101, (2, t))
+            compiled = sppo_fx.compile(model, chunk_lengths=[chunk] * (t // chunk), compile=False)
+            assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
+                                 lambda: compiled(input_ids=ids, labels=ids))
+            assert [s.window for s in compiled.program.attention] == [w]
+    causal_short, causal_long = held[(None, 4 * window)], held[(None, 16 * window)]
+    assert causal_short > 0 and causal_long == 4 * causal_short
+    assert held[(window, 16 * window)] == held[(window, 4 * window)] < causal_short
+
+
+def test_window_copies_counted_where_the_window_reaches_past_the_previous_chunk():
+    """`copy_rows` decides between per-chunk window copies and one full buffer."""
+    from sppo_fx.runtime.kv_window import copy_rows
+    bounds = lambda lengths: [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]  # noqa: E731
+    assert copy_rows(bounds([8] * 4), 8) == 0  # every window lies inside the previous chunk: views
+    assert copy_rows(bounds([4] * 4), 8) == 7 + 7  # chunks 2 and 3 read 7 rows over two chunks
+    assert copy_rows(bounds([5, 20, 3, 20]), 16) == 15  # only the chunk after the 3-token one

@@ -31,6 +31,7 @@ from sppo_fx.ops.offload import MatmulGrad, active_memory
 from sppo_fx.ops.seq_parallel import active_split
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
+from sppo_fx.runtime.kv_window import copy_rows, skeleton_bytes, window_prefix
 from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
 import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 
@@ -73,7 +74,8 @@ class _ChunkState:
 class _MicroBatch:
     def __init__(self, boundary):
         self.boundary = boundary
-        self.kv_buffers: list[torch.Tensor] = []  # per site: K then V, [b, h_kv, T, d]
+        # per site: K then V, [b, h_kv, T, d]; None for a windowed site (runtime/kv_window.py)
+        self.kv_buffers: list[torch.Tensor | None] = []
         self.skeleton = None  # KVSkeleton (skeleton="offload")
         self.states: dict[int, _ChunkState] = {}
         self.kv_grads: dict[int, list] = {}
@@ -187,7 +189,8 @@ class StageRunner:
         self.microbatches[mb] = _MicroBatch(boundary)
 
     def _prefix(self, mb: _MicroBatch, i: int) -> list[torch.Tensor]:
-        """Chunk i's K/V prefix: views of the micro-batch's K/V buffers (no copies).
+        """Chunk i's K/V prefix: views of the micro-batch's K/V buffers (no copies); for a
+        windowed site, of the earlier chunks' own K/V outputs (`kv_window.window_prefix`).
 
         `.data` gives each view its own version counter, so writing later chunks' K/V into
         the buffer (beyond the view) does not trip autograd's in-place check.
@@ -206,15 +209,29 @@ class StageRunner:
                     out.append(torch.empty((*full, 0), dtype=site.dtype, device=device)
                                .requires_grad_(self.needs_grad))
             return out
+        sites = [(site, shape) for site in self.program.attention for shape in (site.k_shape, site.v_shape)]
         if not mb.kv_buffers:
-            for site in self.program.attention:
-                for shape in (site.k_shape, site.v_shape):
-                    full = list(shape)
-                    full[-2] = self.plan.seq_len
-                    mb.kv_buffers.append(torch.empty(full, dtype=site.dtype, device=device))
+            for site, shape in sites:
+                full = list(shape)
+                full[-2] = self.plan.seq_len
+                # no full-sequence buffer for a window, unless its copies are larger (runtime/kv_window.py)
+                bounded = site.window is not None and copy_rows(self.plan.bounds(), site.window) < self.plan.seq_len
+                mb.kv_buffers.append(None if bounded else torch.empty(full, dtype=site.dtype, device=device))
         start = self.plan.starts[i]
-        return [buf[..., lo:start, :].data.requires_grad_(self.needs_grad)
-                for buf, lo in zip(mb.kv_buffers, self._prefix_starts(start, mb))]
+        out = []
+        for k, ((site, shape), buf, lo) in enumerate(zip(sites, mb.kv_buffers, self._prefix_starts(start, mb))):
+            if buf is None:
+                view = window_prefix(lambda c: mb.states[c].kv, self.plan.bounds()[:i], k, lo, start,
+                                     (*shape[:-2], 0, shape[-1]), site.dtype, device)
+            else:
+                view = buf[..., lo:start, :].data
+            out.append(view.requires_grad_(self.needs_grad))
+        return out
+
+    def skeleton_bytes(self, mb: int) -> int:
+        """Bytes of K/V skeleton storage micro-batch `mb` holds now (`kv_window.skeleton_bytes`)."""
+        m = self.microbatches[mb]
+        return skeleton_bytes(m.states, m.kv_buffers)
 
     def _prefix_starts(self, start: int, mb: _MicroBatch) -> list[int]:
         """Per K/V buffer (K then V per site): the first position a chunk starting at
@@ -262,7 +279,8 @@ class StageRunner:
             return [t.detach() for t in m.states[i].sends]  # the K/V went to the skeleton (sppo.kv_out)
         with torch.no_grad():
             for buf, t in zip(m.kv_buffers, m.states[i].kv):
-                buf[..., start:end, :].copy_(t)
+                if buf is not None:
+                    buf[..., start:end, :].copy_(t)
         return [t.detach() for t in m.states[i].sends]
 
     def local_bounds(self, i: int) -> tuple[int, int]:
