@@ -127,10 +127,9 @@ class _Entry:
         """The compiled chunk program (memory passes: offload nodes with `options.offload`,
         `recompute` regions, in-graph gradient accumulation; with skeleton="offload" the
         K/V prefix streamed from the skeleton), one per (policy, skeleton), compiled only
-        when a plan uses it. With more than one chunk, chunk 0 (empty K/V prefix) runs the
+        when a plan uses it. With more than one chunk, chunk 0 (`chunk_start` 0) runs the
         program's AOTAutograd graphs instead of a second Inductor compile
-        (codegen/inductor.py, `eager_empty_prefix`); not with the streamed skeleton, whose
-        prefix handles are empty for every chunk."""
+        (codegen/inductor.py, `eager_empty_prefix`)."""
         key = (recompute, skeleton, chunks > 1)
         prog = self.programs.get(key)
         if prog is None:
@@ -138,7 +137,7 @@ class _Entry:
             gm = self.program.chunk if skeleton == "keep" else streamed_chunk(self.program)
             prog = compile_chunk_program(gm, backend="inductor" if options.compile else "eager",
                                          offload=options.offload is not None, recompute=recompute,
-                                         eager_empty_prefix=chunks > 1 and skeleton == "keep")
+                                         eager_empty_prefix=chunks > 1)
             self.programs[key] = prog
         return prog
 

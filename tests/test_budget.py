@@ -262,3 +262,29 @@ def test_plans_the_solver_did_not_choose_are_predicted_by_its_models():
     assert 0 < peak_off < peak_kept and s_kept > 0 and s_off >= s_kept
     memory = kept._last.memory["none"]
     assert peak_kept == predict_peak(memory, kept.plan.chunk_lengths, [0.0] * 4)
+
+
+def test_one_trace_partitioned_per_policy_equals_a_trace_per_policy(monkeypatch):
+    """The memory model traces the chunk program once (plus the first chunk) and partitions
+    that joint graph once per recompute policy (`chunk_costs`); each policy's saved set
+    must be what its own trace gives, so no partition may see another's recompute tags."""
+    from torch._functorch import aot_autograd
+    from sppo_fx.passes.cost import chunk_cost, chunk_costs
+    torch.manual_seed(0)
+    model = build("gpt", "tiny")
+    x = torch.randint(0, model.config.vocab_size, (1, 64))
+    cap = capture(model, None, None, (x, x), {}, None, 1)
+    program = transform(cap)[1]
+    params = [cap.param_value(n) for n in program.params]
+    traces = []
+    original = aot_autograd.aot_function
+    monkeypatch.setattr(aot_autograd, "aot_function", lambda *a, **k: traces.append(1) or original(*a, **k))
+    # "none" last: it tags nothing, so it would inherit the others' tags from a shared graph
+    shared = chunk_costs(program, cap.seq, params=params, partition="min_cut", recomputes=("full", "cheap", "none"))
+    assert len(traces) == 2  # the example chunk and the first chunk, not one per policy
+    for policy, cost in shared.items():
+        alone = chunk_cost(program, cap.seq, params=params, partition="min_cut", recompute=policy)
+        assert [(s.name, s.bytes_expr, s.kind) for s in cost.saved] == \
+               [(s.name, s.bytes_expr, s.kind) for s in alone.saved], policy
+        assert cost.level2_bytes == alone.level2_bytes and cost.level1_bytes == alone.level1_bytes
+    assert shared["full"].level2_bytes != shared["none"].level2_bytes

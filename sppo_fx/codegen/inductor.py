@@ -6,11 +6,23 @@ bounded number of times (typically one graph for chunk 0, whose prefix is empty,
 for every later chunk), forward and backward (AOTAutograd). Every compile goes through
 `_counting_backend`, which records it, and the generated Python/C++/Triton modules are
 listed by `CompiledProgram.generated_code()`.
+
+Across processes, Inductor's caches (in `TORCHINDUCTOR_CACHE_DIR`) serve a program compiled
+before: the FX graph cache (forward and backward graphs after the memory passes) and the
+AOTAutograd cache (the whole trace, partition and compile, keyed on Dynamo's graph). The
+AOTAutograd cache key holds the memory partitioner's `uuid()`: its policy and a digest of
+sppo_fx's sources, so an entry made by other memory passes is never reused. On CPU the
+chunk attention is an autograd.Function (`sppo_fx/attention.py`), which Dynamo traces into
+the graph (forward and backward bodies, both in the key); torch refuses such graphs for the
+AOTAutograd cache unless told they are safe, which ours are: the bodies are all it does.
+On a hit no partition runs, so `CompiledProgram.partitions` has no record of that compile.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import os
 
 import torch
 import torch.fx as fx
@@ -58,15 +70,51 @@ def _partitioner_class():
             return _make_partitioner, (self.recompute, self.offload)
 
         def uuid(self):
-            return None  # not cacheable: the records list is per program
+            # the cache keys' word for what this partitioner does (the records list only
+            # collects what it did)
+            return f"sppo_fx.memory_partitioner:{self.recompute}:{self.offload}:{_source_digest()}"
 
     SppoMemoryPartitioner.__module__ = __name__
     globals()["SppoMemoryPartitioner"] = SppoMemoryPartitioner
     return SppoMemoryPartitioner
 
 
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of every sppo_fx source file (path and bytes): a change to the memory passes,
+    or to anything they call, changes the Inductor cache keys of the programs they made."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
 def _make_partitioner(recompute: str, offload: bool):
     return _partitioner_class()(recompute, offload)
+
+
+def _inner_compile(what: str, offload: bool):
+    """Inductor's inner compile of one program's forward and backward graphs. The backward
+    graph is compiled lazily, at the first backward, outside the compile phase that Dynamo's
+    backend call opened: it gets a phase of its own (`what` + " backward"), so the progress
+    lines and `log.record_phases` show it. With `offload`, buffer reuse is off in the
+    forward graph (`_forward_without_buffer_reuse`)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            with phase(f"{what} backward", log):
+                return compile_fx_inner(gm, example_inputs, **kwargs)
+        if offload:
+            return _forward_without_buffer_reuse(gm, example_inputs, **kwargs)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    return inner
 
 
 def _forward_without_buffer_reuse(gm, example_inputs, **kwargs):
@@ -104,17 +152,19 @@ class CompiledProgram:
             activations go through offload/prefetch/wait nodes that the executor's
             `ChunkMemory` serves.
         recompute: recompute policy of the memory passes ("none", "cheap", "full").
-        eager_empty_prefix: with backend "inductor", calls with an empty tensor (chunk 0,
-            whose K/V prefix has no tokens) run AOTAutograd's graphs of the same program op
-            by op instead of compiling a second Inductor graph for them: dynamic shapes
-            specialise a size of 0, so chunk 0 would otherwise cost a whole extra Inductor
-            compile (about half of the first call's compile time) for 1/N of the step's work.
-            Same partition, same memory passes; the results differ from Inductor's only by
-            floating-point reassociation.
+        eager_empty_prefix: with backend "inductor", chunk 0 (`chunk_start` 0, an empty
+            K/V prefix) runs AOTAutograd's graphs of the same program op by op instead of
+            compiling a second Inductor graph for it: dynamic shapes specialise a size (or an
+            int) of 0, so chunk 0 would otherwise cost a whole extra Inductor compile (about
+            half of the first call's compile time) for 1/N of the step's work. Chunk 0 is
+            told by its `chunk_start` placeholder being 0 (a streamed skeleton's prefix
+            handles are empty tensors for every chunk), or, in a program without one, by an
+            empty tensor argument. Same partition, same memory passes; the results differ
+            from Inductor's only by floating-point reassociation.
 
     Attributes:
         partitions: one `PartitionRecord` (forward graph, backward graph, offload slots)
-            per compile, when the memory passes ran.
+            per compile, when the memory passes ran (not on an AOTAutograd cache hit).
     """
 
     def __init__(self, gm: fx.GraphModule, name: str = "chunk", dynamic: bool = True, *,
@@ -137,14 +187,17 @@ class CompiledProgram:
         self._fn = torch.compile(gm, backend=self._counting_backend, dynamic=dynamic, fullgraph=True)
         self._dynamic = dynamic
         self._route_empty = backend == "inductor" and eager_empty_prefix
-        self._empty_fn = None  # compiled on the first call with an empty input
+        self._empty_fn = None  # compiled on the first call of chunk 0
+        self._what = f"compiling {name} program"
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self._start_index = names.index("chunk_start") if "chunk_start" in names else None
 
     def _empty_input_fn(self):
         if self._empty_fn is None:
             # its own GraphModule again: its own code object, so the two compiled wrappers
             # never share Dynamo's cache entries
             gm = fx.GraphModule(self.gm, self.gm.graph, class_name=type(self.gm).__name__)
-            backend = functools.partial(self._counting_backend, backend="eager")
+            backend = functools.partial(self._counting_backend, backend="eager", first_chunk=True)
             self._empty_fn = torch.compile(gm, backend=backend, dynamic=self._dynamic, fullgraph=True)
         return self._empty_fn
 
@@ -161,14 +214,15 @@ class CompiledProgram:
         inputs = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
         return {k: index[name] for k, name in enumerate(inputs) if name in index}
 
-    def _counting_backend(self, graph: fx.GraphModule, example_inputs, backend: str | None = None):
+    def _counting_backend(self, graph: fx.GraphModule, example_inputs, backend: str | None = None,
+                          first_chunk: bool = False):
         backend = backend or self.backend
         self.stats.compiles += 1
-        empty = any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in example_inputs)
         what = (f"compiling {self.name} program #{self.stats.compiles}"
-                f"{' (empty K/V prefix)' if empty else ''} "
+                f"{' (chunk 0, empty K/V prefix)' if first_chunk else ''} "
                 f"({'Inductor' if backend == 'inductor' else 'AOTAutograd graphs, no Inductor'}; "
                 f"recompute {self.recompute}{', offload' if self.offload else ''})")
+        self._what = what  # the backward's phase is named after it (`_inner_compile`)
         with phase(what, log):
             return self._compile(graph, example_inputs, backend)
 
@@ -186,8 +240,11 @@ class CompiledProgram:
         from torch._inductor.compile_fx import compile_fx
         patches = {"custom_partitioner_fn": _partitioner_class()(self.recompute, self.offload, self.partitions,
                                                                  self._grad_index(graph))}
-        inner = {"inner_compile": _forward_without_buffer_reuse} if self.offload else {}
-        return compile_fx(graph, example_inputs, config_patches=patches, **inner)
+        from torch._functorch import config as functorch_config
+        # the CPU chunk attention's autograd.Function may be cached (module docstring)
+        with functorch_config.patch(autograd_cache_allow_custom_autograd_functions=True):
+            return compile_fx(graph, example_inputs, config_patches=patches,
+                              inner_compile=_inner_compile(self._what, self.offload))
 
     def __call__(self, *args):
         # Without duck shaping, a prefix as long as the chunk does not get the chunk's
@@ -195,9 +252,16 @@ class CompiledProgram:
         # Chunks of 1 token and the empty prefix of chunk 0 specialise: allow a few graphs.
         with torch.fx.experimental._config.patch(use_duck_shape=False), \
                 torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 16)):
-            if self._route_empty and any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args):
+            if self._route_empty and self._is_first_chunk(args):
                 return self._empty_input_fn()(*args)
             return self._fn(*args)
+
+    def _is_first_chunk(self, args) -> bool:
+        """Chunk 0: `chunk_start` is 0 (or, without that placeholder, a tensor is empty)."""
+        if self._start_index is not None and self._start_index < len(args):
+            start = args[self._start_index]
+            return not isinstance(start, torch.Tensor) and int(start) == 0
+        return any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args)
 
     def graphs(self) -> dict[str, fx.GraphModule]:
         """The forward and backward graphs of each compile (memory passes only):

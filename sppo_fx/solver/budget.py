@@ -356,7 +356,9 @@ def recompute_fraction(chunk_cost, policy: str) -> float:
 
 def memory_models(program, seq, params, policies=RECOMPUTE_POLICIES) -> list[MemoryModel]:
     """One MemoryModel per recompute policy, from the AOT partition each policy's graphs run
-    (Inductor's min-cut partitioner plus the policy's recompute tags).
+    (Inductor's min-cut partitioner plus the policy's recompute tags). The chunk program is
+    traced once (and once more for the first chunk); each policy partitions that joint graph
+    (`passes.cost.chunk_costs`).
 
     Args:
         program: the ChunkedProgram.
@@ -367,13 +369,14 @@ def memory_models(program, seq, params, policies=RECOMPUTE_POLICIES) -> list[Mem
     Returns:
         The models, in `policies` order; `fixed_bytes` is the parameter gradients.
     """
-    chunk_cost = cost_model.chunk_cost
     grads = sum(t.numel() * t.element_size() for t in params if t.requires_grad)
-    base = chunk_cost(program, seq, params=params, partition="min_cut")
+    # one AOTAutograd trace partitioned per policy; "none" is every other policy's baseline
+    costs = cost_model.chunk_costs(program, seq, params=params, partition="min_cut",
+                                   recomputes=("none", *[r for r in policies if r != "none"]))
+    base = costs["none"]
     models = []
     for policy in policies:
-        cc = base if policy == "none" else chunk_cost(program, seq, params=params, partition="min_cut",
-                                                      recompute=policy)
+        cc = costs[policy]
         model = MemoryModel.from_chunk_cost(cc, grads, baseline=None if policy == "none" else base,
                                             recompute=policy, recompute_fraction=recompute_fraction(base, policy))
         model.sites = max(1, len(program.attention))

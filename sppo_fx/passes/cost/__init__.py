@@ -66,6 +66,7 @@ backward reads the prefix from the skeleton would not need them.
 """
 from sppo_fx.passes.cost.data import ChunkCost, NodeCost, SavedTensor, _to_int, b, c, p  # noqa: F401
 from sppo_fx.passes.cost.flops import attention_flops, node_cost  # noqa: F401
-from sppo_fx.passes.cost.model import chunk_cost, measure_saved_bytes  # noqa: F401
-from sppo_fx.passes.cost.saved import choose_example, example_inputs, saved_tensors  # noqa: F401
+from sppo_fx.passes.cost.model import chunk_cost, chunk_costs, measure_saved_bytes  # noqa: F401
+from sppo_fx.passes.cost.saved import (choose_example, example_inputs, saved_tensors,  # noqa: F401
+                                        saved_tensors_by_policy)
 from sppo_fx.passes.cost.shapes import shape_exprs, symbolic_values, traced_batch  # noqa: F401

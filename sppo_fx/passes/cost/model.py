@@ -8,7 +8,7 @@ import torch
 
 from sppo_fx.passes.cost.data import ChunkCost, p
 from sppo_fx.passes.cost.flops import _tensors, node_cost
-from sppo_fx.passes.cost.saved import example_inputs, saved_tensors
+from sppo_fx.passes.cost.saved import example_inputs, saved_tensors_by_policy
 from sppo_fx.passes.cost.shapes import _input_specs, symbolic_values, traced_batch
 
 aten = torch.ops.aten
@@ -42,9 +42,48 @@ def chunk_cost(program, captured_seq=None, *, params: list[torch.Tensor] | None 
         A `ChunkCost`. Raises `SppoError` when the program cannot be propagated
         symbolically.
     """
+    return chunk_costs(program, captured_seq, params=params, partition=partition, example=example,
+                       first_chunk=first_chunk, device=device, recomputes=(recompute,))[recompute]
+
+
+def chunk_costs(program, captured_seq=None, *, params: list[torch.Tensor] | None = None,
+                partition: str = "default", example: tuple[int, int] | None = None,
+                first_chunk: bool = True, device=None, recomputes=("none",)) -> dict[str, ChunkCost]:
+    """`chunk_cost` for several recompute policies at the price of one: the symbolic
+    shapes and FLOPs are computed once, and each AOTAutograd trace (the example chunk, and
+    the first chunk's) is partitioned once per policy (`saved.saved_tensors_by_policy`).
+
+    Returns:
+        {policy: ChunkCost}, equal to `chunk_cost(..., recompute=policy)` for each.
+    """
     values = symbolic_values(program, captured_seq)
-    rename = values.rename
     batch = traced_batch(program, captured_seq)
+    nodes = _node_costs(program, captured_seq, values, batch)
+    kw = dict(params=params, seq=captured_seq, partition=partition, device=device, recomputes=recomputes)
+    saved_by, ex = saved_tensors_by_policy(program, values, batch, example=example, **kw)
+    # The first chunk has no prefix; attention may take another path there (the reference
+    # path uses is_causal SDPA and saves no mask), so its saved set is traced on its own.
+    first_by = saved_tensors_by_policy(program, values, batch, example=(ex[0], 0), **kw)[0] if first_chunk else {}
+    fwd = sympy.expand(sympy.Add(*[n.fwd_flops for n in nodes]))
+    bwd = sympy.expand(sympy.Add(*[n.bwd_flops for n in nodes]))
+    out = {}
+    for policy, saved in saved_by.items():
+        level1 = sympy.expand(sympy.Add(*[s.bytes_expr for s in saved if s.level == 1]))
+        level2 = sympy.expand(sympy.Add(*[s.bytes_expr for s in saved if s.level == 2]))
+        saved_first = first_by.get(policy)
+        if saved_first is not None:
+            first = sympy.expand(sympy.Add(*[s.bytes_expr for s in saved_first if s.level == 2]).subs(p, 0))
+            if sympy.expand(first - level2.subs(p, 0)) != 0:
+                level2 = sympy.Piecewise((first, sympy.Eq(p, 0)), (level2, True))
+        out[policy] = ChunkCost(fwd_flops=fwd, bwd_flops=bwd, saved=saved, level1_bytes=level1,
+                                level2_bytes=level2, nodes=nodes, batch=batch, example=ex, partition=partition,
+                                saved_first=saved_first)
+    return out
+
+
+def _node_costs(program, captured_seq, values, batch) -> list:
+    """FLOPs and bytes of every call_function node of the chunk program, in c, p, b."""
+    rename = values.rename
 
     # Grad sources: float parameters and K/V prefixes.
     roles = {n: r for n, r, _ in _input_specs(program, captured_seq)}
@@ -68,25 +107,7 @@ def chunk_cost(program, captured_seq=None, *, params: list[torch.Tensor] | None 
         nc.bwd_flops = sympy.expand(nc.bwd_flops.xreplace(rename))
         nc.bytes_written = sympy.expand(nc.bytes_written.xreplace(rename))
         nodes.append(nc)
-    saved, ex = saved_tensors(program, values, batch, params=params, seq=captured_seq,
-                              partition=partition, example=example, device=device, recompute=recompute)
-    level1 = sympy.expand(sympy.Add(*[s.bytes_expr for s in saved if s.level == 1]))
-    level2 = sympy.expand(sympy.Add(*[s.bytes_expr for s in saved if s.level == 2]))
-    saved_first = None
-    if first_chunk:
-        # The first chunk has no prefix; attention may take another path there (the reference
-        # path uses is_causal SDPA and saves no mask), so its saved set is traced on its own.
-        saved_first, _ = saved_tensors(program, values, batch, params=params, seq=captured_seq,
-                                       partition=partition, example=(ex[0], 0), device=device,
-                                       recompute=recompute)
-        first = sympy.expand(sympy.Add(*[s.bytes_expr for s in saved_first if s.level == 2]).subs(p, 0))
-        if sympy.expand(first - level2.subs(p, 0)) != 0:
-            level2 = sympy.Piecewise((first, sympy.Eq(p, 0)), (level2, True))
-    return ChunkCost(
-        fwd_flops=sympy.expand(sympy.Add(*[n.fwd_flops for n in nodes])),
-        bwd_flops=sympy.expand(sympy.Add(*[n.bwd_flops for n in nodes])),
-        saved=saved, level1_bytes=level1, level2_bytes=level2, nodes=nodes, batch=batch,
-        example=ex, partition=partition, saved_first=saved_first)
+    return nodes
 
 
 def measure_saved_bytes(program, c_len: int, prefix: int, *, params: list[torch.Tensor] | None = None,

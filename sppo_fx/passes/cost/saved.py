@@ -132,25 +132,49 @@ def example_inputs(program, c_len: int, prefix: int, *, params: list[torch.Tenso
     return args
 
 
-def _aot_forward(program, args: list, partition: str, recompute: str = "none"):
-    """Run AOTAutograd on the chunk program; returns (forward graph, #forward outputs).
-
-    `recompute` (min_cut only): the memory passes' recompute policy (`passes.offload`)."""
-    from torch._functorch.aot_autograd import aot_function
+def _partitioner(partition: str, recompute: str):
+    """The AOTAutograd partition function whose saved set is measured (see `_aot_forwards`)."""
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
-
-    base = {"default": default_partition,
-            "min_cut": memory_partitioner(recompute, offload=False) if recompute != "none" else
-            functools.partial(min_cut_rematerialization_partition, compiler="inductor")}
-    if partition not in base:
+    if partition not in ("default", "min_cut"):
         raise SppoError(f"unknown partition {partition!r}; choose 'default' or 'min_cut'")
     if recompute != "none" and partition != "min_cut":
         raise SppoError("a recompute policy needs partition='min_cut'")
+    if partition == "default":
+        return default_partition
+    if recompute != "none":
+        return memory_partitioner(recompute, offload=False)
+    return functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+
+def _copy_joint(joint: fx.GraphModule) -> fx.GraphModule:
+    """A copy of AOTAutograd's joint graph that a partitioner may change (recompute tags,
+    dead-code elimination) without touching the original: new nodes with the same names,
+    targets and (shallow-copied) meta, the same module attributes."""
+    import copy
+    import warnings
+    with warnings.catch_warnings():  # deepcopy of the output's pytree spec warns on a deprecated alias
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(joint.graph)
+    return fx.GraphModule(joint, graph)
+
+
+def _aot_forwards(program, args: list, partition: str, recomputes=("none",)):
+    """Trace the chunk program's joint forward+backward graph once with AOTAutograd and
+    partition it once per recompute policy.
+
+    Returns ({policy: (forward graph, #forward outputs)}, tensor argument slots). Each
+    policy's partitioner gets its own copy of the one joint graph (`_copy_joint`), so the
+    partitions are those of separate traces, at the price of one trace.
+    """
+    from torch._functorch.aot_autograd import aot_function
+
+    parts = {r: _partitioner(partition, r) for r in recomputes}
     rec = {}
 
     def part(joint, inputs, **kw):
-        fw, bw = base[partition](joint, inputs, **kw)
-        rec["fw"], rec["n"] = fw, kw["num_fwd_outputs"]
+        for policy, fn in parts.items():
+            fw, bw = fn(_copy_joint(joint), inputs, **kw)
+            rec[policy] = (fw, kw["num_fwd_outputs"])
         return fw, bw
 
     slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -166,10 +190,10 @@ def _aot_forward(program, args: list, partition: str, recompute: str = "none"):
 
     compiled = aot_function(fn, fw_compiler=keep, bw_compiler=keep, partition_fn=part)
     compiled(*[args[i] for i in slots])
-    if "fw" not in rec:
+    if len(rec) != len(parts):
         raise SppoError("cost model: AOTAutograd produced no forward/backward partition "
                         "(does the chunk program depend on anything that requires grad?)")
-    return rec["fw"], rec["n"], slots
+    return rec, slots
 
 
 def saved_tensors(program, values, batch: int, *, params: list[torch.Tensor] | None = None,
@@ -191,12 +215,34 @@ def saved_tensors(program, values, batch: int, *, params: list[torch.Tensor] | N
     Returns:
         (saved tensors, level 1 first; the (c0, p0) used).
     """
-    rename = values.rename
+    by_policy, ex = saved_tensors_by_policy(program, values, batch, params=params, seq=seq, partition=partition,
+                                            example=example, device=device, recomputes=(recompute,))
+    return by_policy[recompute], ex
+
+
+def saved_tensors_by_policy(program, values, batch: int, *, params: list[torch.Tensor] | None = None,
+                            seq=None, partition: str = "default", example: tuple[int, int] | None = None,
+                            device=None, recomputes=("none",)
+                            ) -> tuple[dict[str, list[SavedTensor]], tuple[int, int]]:
+    """`saved_tensors` for several recompute policies from one AOTAutograd trace (the joint
+    graph is partitioned once per policy, `_aot_forwards`).
+
+    Returns:
+        ({policy: saved tensors, level 1 first}, the (c0, p0) used).
+    """
     static = _static_dims(values)
     c0, p0 = example or choose_example(static, batch)
     args = example_inputs(program, c0, p0, params=params, seq=seq, device=device)
-    fw, n_out, slots = _aot_forward(program, args, partition, recompute)
+    forwards, slots = _aot_forwards(program, args, partition, tuple(dict.fromkeys(recomputes)))
+    return {policy: _classify_saved(program, values, batch, seq, fw, n_out, slots, (c0, p0), static)
+            for policy, (fw, n_out) in forwards.items()}, (c0, p0)
 
+
+def _classify_saved(program, values, batch: int, seq, fw: fx.GraphModule, n_out: int, slots: list[int],
+                    example: tuple[int, int], static: set[int]) -> list[SavedTensor]:
+    """The saved outputs of one AOT forward graph as `SavedTensor`s (level 1 first)."""
+    rename = values.rename
+    c0, p0 = example
     names = [n for n, _, _ in _input_specs(program, seq)]
     roles = {n: r for n, r, _ in _input_specs(program, seq)}
     fw_ph = _placeholders(fw)
@@ -255,7 +301,7 @@ def saved_tensors(program, values, batch: int, *, params: list[torch.Tensor] | N
         numel = sympy.Mul(*shape) if shape else sympy.Integer(1)
         result.append(SavedTensor(base.name, shape, val.dtype, sympy.expand(numel * val.element_size()),
                                   2, kind, tuple(m.name for m in members), exact))
-    return result, (c0, p0)
+    return result
 
 
 def _batch_shape(shape: tuple, batch: int, sizes: set) -> tuple:
