@@ -163,7 +163,8 @@ def require_world(layout: Layout) -> int:
                         f"{layout.world} ...` and call sppo_fx.runtime.distributed.init_from_env() first")
     world = dist.get_world_size()
     if world != layout.world:
-        raise SppoError(f"the layout {layout} needs {layout.world} ranks but the process group has {world}; "
+        raise SppoError(f"stages={layout.pp}, data_parallel={layout.dp}, seq_parallel={layout.sp} need "
+                        f"{layout.world} ranks but the process group has {world} ranks; "
                         f"launch with --nproc-per-node {layout.world}, or change stages / data_parallel / "
                         "seq_parallel so that their product is the world size")
     return dist.get_rank()

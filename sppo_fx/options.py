@@ -1,0 +1,164 @@
+"""The options of `sppo_fx.compile`: the typed configuration (`CompileOptions`), the
+checks that refuse option and input values no call could use, and loading a saved plan."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+from typing import Callable
+
+import torch
+
+from sppo_fx.errors import SppoError
+from sppo_fx.plan import Plan
+
+
+@dataclasses.dataclass
+class CompileOptions:
+    """Options of `sppo_fx.compile`.
+
+    Attributes:
+        loss_fn: `(output, target) -> loss`; when None the model's output is the loss.
+        chunks: number of sequence chunks (default: 4, or fewer for shorter sequences).
+        chunk_lengths: explicit chunk lengths (must sum to the sequence length).
+        seq_dim: the sequence dim of the inputs.
+        budget: peak extra bytes per device for a step (int or "24GiB"); None: no budget.
+        log_passes: print each graph after its pass.
+        compile: compile the chunk programs with Inductor (False runs the FX graphs eagerly,
+            for debugging).
+        stages: pipeline stages P (one per rank under torchrun).
+        microbatches: micro-batches per step (the batch is split along dim 0).
+        schedule: "1f1b" (chunk-level 1F1B) or "gpipe".
+        split_points: module names where stages start (default: cost-balanced).
+        timeout_s: how long a rank waits for a peer before raising.
+        partition: "balanced" (equal FLOPs per chunk: longer early chunks) or "even".
+        offload: where every chunk but the last of a sequence offloads its saved activations
+            ("disk", "host", "device"), or None. A manual plan until `budget` chooses.
+        offload_dir: directory for the disk tier's temporary files (default: the system's).
+        recompute: recompute policy of the chunk program's memory passes: "none", "cheap"
+            (recompute everything but matmuls and attention in backward), "full" (recompute
+            the chunk from its inputs), or "auto" (the budget solver chooses; "none"
+            without a budget).
+        skeleton: where the K/V skeleton (every chunk's K and V, read by all later chunks)
+            lives: "keep" (on the device), "offload" (in the `offload` tier, streamed into
+            each attention one earlier chunk at a time), or "auto" (with a budget the solver
+            offloads it only when no plan with it kept fits; otherwise "keep").
+        seq_parallel: sequence-parallel ranks S per stage (Ulysses: each takes 1/S of every
+            chunk's tokens; all-to-alls around attention).
+        data_parallel: data-parallel replicas D (each takes 1/D of every micro-batch's
+            sequences; gradients are summed over dp × sp after the step).
+        mesh: a user's DeviceMesh with dims named "pp", "dp", "sp" (instead of stages /
+            data_parallel / seq_parallel).
+        plan: a saved Plan (`sppo-fx plan --json`, `Plan.from_json`) to run as given.
+    """
+
+    loss_fn: Callable | None = None
+    chunks: int | None = None
+    chunk_lengths: list[int] | None = None
+    seq_dim: int = 1
+    budget: int | str | None = None
+    log_passes: bool | None = None
+    compile: bool = True
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    split_points: list[str] | None = None
+    timeout_s: float = 60.0
+    partition: str = "balanced"
+    offload: str | None = None
+    offload_dir: str | None = None
+    recompute: str = "auto"
+    skeleton: str = "auto"
+    seq_parallel: int = 1
+    data_parallel: int = 1
+    mesh: object = None
+    plan: Plan | None = None
+
+    @property
+    def layout(self):
+        """The (pp, dp, sp) sizes these options ask for."""
+        from sppo_fx.runtime.mesh import Layout
+        if self.mesh is not None:
+            from sppo_fx.runtime.mesh import ParallelMesh
+            return ParallelMesh.layout_of(self.mesh)
+        return Layout(self.stages, self.data_parallel, self.seq_parallel)
+
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def load_plan(plan) -> Plan:
+    """A Plan from a Plan, its JSON text, or a path to a JSON file (`sppo-fx plan --json`)."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        text = str(plan)
+        if not text.lstrip().startswith("{"):
+            if not os.path.isfile(text):
+                raise SppoError(f"plan={text!r} is neither a Plan's JSON nor an existing file")
+            with open(text) as f:
+                text = f.read()
+        return Plan.from_json(text)
+    raise SppoError(f"plan= takes a Plan, its JSON or a JSON file's path, got {type(plan).__name__}")
+
+
+def check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir):
+    """Refuse option values that no call could use, naming the option and what to give."""
+    def whole(value) -> int | None:  # ints, numpy / torch integers; not bools or floats
+        try:
+            return None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            return None
+
+    def positive_int(name, value):
+        if whole(value) is None or whole(value) < 1:
+            raise SppoError(f"{name}={value!r}: give a positive integer")
+    if chunks is not None:
+        positive_int("chunks", chunks)
+    if chunk_lengths is not None:
+        lengths = list(chunk_lengths)
+        if not lengths or any(whole(c) is None or whole(c) < 1 for c in lengths):
+            raise SppoError(f"chunk_lengths={lengths}: every chunk needs a whole number of tokens >= 1 "
+                            "(and together they sum to the sequence length)")
+    positive_int("stages", stages)
+    positive_int("microbatches", microbatches)
+    if schedule not in SCHEDULES:
+        raise SppoError(f"schedule={schedule!r}: choose one of {', '.join(map(repr, SCHEDULES))}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise SppoError(f"timeout_s={timeout_s!r}: give the seconds a rank waits for a peer, > 0")
+    if offload is not None:
+        from sppo_fx.runtime.store import TIERS
+        if offload not in TIERS:
+            raise SppoError(f"offload={offload!r}: choose one of {', '.join(map(repr, TIERS))} (or None)")
+    if offload_dir is not None and not os.path.isdir(offload_dir):
+        raise SppoError(f"offload_dir={offload_dir!r} does not exist (or is not a directory): create it "
+                        "or give an existing one")
+
+
+def seq_len_of(tensors: list[torch.Tensor], seq_dim: int) -> int:
+    """The length of the first input with a dim `seq_dim`."""
+    for t in tensors:
+        if t.dim() > seq_dim:
+            return t.shape[seq_dim]
+    raise SppoError(f"no input tensor has a dim {seq_dim} (seq_dim={seq_dim}; input shapes "
+                    f"{[tuple(t.shape) for t in tensors]}): pass token ids shaped [batch, seq] or set seq_dim "
+                    "to the inputs' sequence dim")
+
+
+def check_inputs(model, tensors: list[torch.Tensor], seq_dim: int) -> None:
+    """Refuse inputs on several devices (or on another device than the model) and token
+    inputs (integer tensors shaped like the first) of different lengths along seq_dim."""
+    devices = {t.device for t in tensors}
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    if params and params[0].device not in devices:
+        devices.add(params[0].device)
+    if len(devices) > 1:
+        where = ", ".join(sorted(str(d) for d in devices))
+        raise SppoError(f"the inputs and the model are on several devices ({where}): move the model and every "
+                        "input to one device")
+    tokens = [t for t in tensors if not t.is_floating_point() and t.dim() > seq_dim]
+    if tokens:
+        lengths = [t.shape[seq_dim] for t in tokens if t.dim() == tokens[0].dim()]
+        if len(set(lengths)) > 1:
+            raise SppoError(f"the integer inputs (token ids, targets) disagree on the sequence length along "
+                            f"seq_dim={seq_dim}: {lengths}; give every one the same length")
