@@ -235,11 +235,10 @@ class SppoCompiled:
         key = ("pipeline", id(model), tuple((tuple(t.shape), t.dtype) for t in tensors))
         state = self._cache.get(key)
         if state is None:
-            recompute = "none" if o.recompute == "auto" else o.recompute
-            factory = None
-            if o.compile or o.offload or recompute != "none":
+            factory = None  # build_pipeline gives it the recompute policy (a budget's rank plan chooses it)
+            if o.compile or o.offload or o.budget is not None or o.recompute not in ("auto", "none"):
                 factory = functools.partial(compile_chunk_program, backend="inductor" if o.compile else "eager",
-                                            offload=o.offload is not None, recompute=recompute)
+                                            offload=o.offload is not None)
             first = not any(isinstance(k, tuple) and k[0] == "pipeline" for k in self._cache)
             state = build_pipeline(model, self._fn, o, mbs, self, mesh, factory, self.store,
                                    check_values=first)

@@ -26,6 +26,7 @@ from sppo_fx.runtime.mesh import ParallelMesh
 from sppo_fx.schedule import build_schedule, with_offload
 from sppo_fx.solver.partition import cost_model_from_graph
 from sppo_fx.solver.pipeline import ComputeModel, choose_plan
+from sppo_fx.solver.rank_budget import chunk_recompute, rank_budget_plan
 
 
 def split_microbatches(args: tuple, kwargs: dict, target, count: int) -> list[tuple]:
@@ -93,7 +94,7 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, mesh:
         planner: the SppoCompiled (its `plan_for` gives the chunk plan from a cost model); with
             neither chunks nor chunk_lengths set, the pipeline solver chooses the plan.
         mesh: this rank's place in the (pp, dp, sp) layout.
-        chunk_fn_factory: builds the chunk runner from a GraphModule (Inductor), or None.
+        chunk_fn_factory: (GraphModule, recompute=policy) -> the chunk runner (Inductor), or None.
         store: the ActivationStore when options.offload is set.
         check_values: compare every parameter's values across ranks (before the first step;
             later each rank has updated only its own stage's parameters).
@@ -150,47 +151,10 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, mesh:
     agreed = fingerprint(graphs, named, plan, schedule, shapes, shared=list(shared_ids), check_values=check_values)
     agreed["layout"] = str(layout)
     check_agreement(agreed, mesh.rank, layout.world)
-    chunk_fn = chunk_fn_factory(program.chunk) if chunk_fn_factory else None
+    chunk_fn = chunk_fn_factory(program.chunk, recompute=chunk_recompute(options, plan)) if chunk_fn_factory else None
     executor = PipelineExecutor(program, params, plan, schedule, mesh, chunk_fn, options.timeout_s, shared,
                                 store, quota)
     return PipelineState(cap, stages, programs, executor, plan, prediction, graph, program)
-
-
-def inflight_microbatches(schedule: str, stages: int, microbatches: int, chunks: int, stage: int) -> int:
-    """How many micro-batches' activations a stage can hold at once under the schedule."""
-    if schedule == "gpipe":
-        return microbatches
-    warmup = min(chunks - 1 + stages - 1 - stage, microbatches * chunks)  # 1F1B warm-up chunks
-    return min(microbatches, -(-(warmup + 1) // chunks))
-
-
-def rank_budget_plan(options, program, cap, params, plan: Plan, world: int, rank: int, microbatches: int, cost):
-    """Solve this rank's offload ratios for its stage under `options.budget`.
-
-    The chunk lengths are shared by every rank (they fix the communication); each rank
-    chooses its own ratios from its stage's memory model and its own calibrated device
-    profile. The budget is split evenly over the micro-batches whose activations the
-    schedule can keep in flight on this stage (an approximation: their chunks do not all
-    peak together).
-
-    Returns:
-        (this rank's Plan, {(micro-batch, chunk): offload byte quota}).
-    """
-    from sppo_fx.solver.budget import budget_plan, memory_models, solve
-    from sppo_fx.solver.profiles import calibrate
-    (mem,) = memory_models(program, cap.seq, params, ("none" if options.recompute == "auto" else options.recompute,))
-    device = next((t.device.type for t in params), "cpu")
-    profile = calibrate(device, seconds=1.0, dir=options.offload_dir)
-    bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(options.offload,
-                                                                                           float("inf"))
-    inflight = inflight_microbatches(options.schedule, world, microbatches, plan.num_chunks, rank)
-    chosen = solve(cost.scaled(1.0 / world), mem, plan.seq_len, options.budget // inflight,
-                   rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half,
-                   chunk_counts=[plan.num_chunks], lengths_for=lambda n: list(plan.chunk_lengths))
-    rank_plan = budget_plan(plan.seq_len, chosen, options.budget, options.offload)
-    quota = {(m, i): a * mem.level2(c, s) for m in range(microbatches)
-             for i, (a, c, s) in enumerate(zip(rank_plan.offload_ratios, plan.chunk_lengths, plan.starts))}
-    return rank_plan, quota
 
 
 def _seq_len(microbatch: tuple, seq_dim: int) -> int:
