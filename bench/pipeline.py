@@ -35,35 +35,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import sppo_fx  # noqa: E402
-from sppo_fx.benchmark.calibration import calibrate_compute  # noqa: E402
+from sppo_fx.benchmark.calibration import bench_model_and_data, calibrate_compute  # noqa: E402
 from sppo_fx.capture import capture  # noqa: E402
-from sppo_fx.models import build  # noqa: E402
 from sppo_fx.passes import transform  # noqa: E402
 from sppo_fx.runtime.launch import start_local_ranks  # noqa: E402
 from sppo_fx.schedule import Action, ActionKind  # noqa: E402
 from sppo_fx.solver.partition import cost_model_from_graph  # noqa: E402
 from sppo_fx.schedule import build_schedule  # noqa: E402
-from sppo_fx.solver.pipeline import ComputeModel, chunk_seconds, predict  # noqa: E402
+from sppo_fx.solver.pipeline import chunk_seconds, predict  # noqa: E402
 from sppo_fx.schedule.simulator import simulate  # noqa: E402
 
 
-def _model(args):
-    torch.manual_seed(0)
-    return build(args.model, args.size)
-
-
-def _data(args, model):
-    gen = torch.Generator().manual_seed(1)
-    v = model.config.vocab_size
-    return (torch.randint(0, v, (args.batch, args.seq_len), generator=gen),
-            torch.randint(0, v, (args.batch, args.seq_len), generator=gen))
+def _model_and_data(args):
+    return bench_model_and_data(args.model, args.size, args.batch, args.seq_len)
 
 
 def worker(args):
     from sppo_fx.runtime.distributed import init_from_env
     rank, world = init_from_env(120)
-    model = _model(args)
-    x, y = _data(args, model)
+    model, (x, y) = _model_and_data(args)
     chunks = None if args.chunks == "auto" else int(args.chunks)
     compiled = sppo_fx.compile(model, chunks=chunks, stages=world, microbatches=args.microbatches,
                                schedule=args.schedule, compile=False, timeout_s=300)
@@ -110,8 +100,7 @@ def main():
         return worker(args)
 
     torch.set_num_threads(1)  # each rank gets one thread under torchrun / this launcher
-    model = _model(args)
-    x, y = _data(args, model)
+    model, (x, y) = _model_and_data(args)
     mb = args.batch // args.microbatches
     cap = capture(model, None, None, (x[:mb], y[:mb]), {}, None, 1)
     graph, _ = transform(cap)

@@ -54,9 +54,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import sppo_fx  # noqa: E402
-from sppo_fx.benchmark.calibration import CommCounter, calibrate_compute, measure_links  # noqa: E402
+from sppo_fx.benchmark.calibration import bench_model_and_data, CommCounter, calibrate_compute, measure_links  # noqa: E402
 from sppo_fx.capture import capture  # noqa: E402
-from sppo_fx.models import build  # noqa: E402
 from sppo_fx.passes import transform  # noqa: E402
 from sppo_fx.runtime.launch import start_local_ranks  # noqa: E402
 from sppo_fx.solver.layout import LinkModel, attention_sites, predict_layout  # noqa: E402
@@ -65,16 +64,8 @@ from sppo_fx.solver.partition import cost_model_from_graph  # noqa: E402
 KINDS = ("all-to-all", "all-reduce", "p2p")
 
 
-def _model(args):
-    torch.manual_seed(0)
-    return build(args.model, args.size)
-
-
-def _data(args, model):
-    gen = torch.Generator().manual_seed(1)
-    v = model.config.vocab_size
-    return (torch.randint(0, v, (args.batch, args.seq_len), generator=gen),
-            torch.randint(0, v, (args.batch, args.seq_len), generator=gen))
+def _model_and_data(args):
+    return bench_model_and_data(args.model, args.size, args.batch, args.seq_len)
 
 
 def _layout(text: str) -> tuple[int, int, int]:
@@ -102,8 +93,7 @@ def worker(args):
     rank, world = init_from_env(120)
     links = measure_links() if args.links else None
     pp, dp, sp = _layout(args.layout)
-    model = _model(args)
-    x, y = _data(args, model)
+    model, (x, y) = _model_and_data(args)
     compiled = sppo_fx.compile(model, chunks=args.chunks, stages=pp, data_parallel=dp, seq_parallel=sp,
                                compile=False, timeout_s=300)
     with CommCounter() as counter:
@@ -162,8 +152,7 @@ def main():
 
     started, load_before = time.perf_counter(), _load()
     torch.set_num_threads(1)  # each rank has one thread under torchrun / start_local_ranks
-    model = _model(args)
-    x, y = _data(args, model)
+    model, (x, y) = _model_and_data(args)
     cap = capture(model, None, None, (x, y), {}, None, 1)
     graph, _ = transform(cap)
     cost = cost_model_from_graph(graph, cap.seq)

@@ -4,13 +4,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from sppo_fx.models import build
-from sppo_fx.runtime.launch import free_port, start_local_ranks
+from sppo_fx.runtime.launch import free_port, run_local_ranks, start_local_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_pipeline.py")
@@ -18,17 +17,7 @@ SCRIPT = os.path.join(ROOT, "examples", "train_pipeline.py")
 
 def launch(nprocs: int, args: list[str], timeout: float = 240.0):
     """Start `nprocs` ranks of the example script directly (as torchrun would set them up)."""
-    procs = start_local_ranks([sys.executable, SCRIPT, *args], nprocs, cwd=ROOT)
-    results, start = [], time.monotonic()
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        results.append((p.returncode, out, err, time.monotonic() - start))
-    return results
+    return run_local_ranks([sys.executable, SCRIPT, *args], nprocs, timeout, cwd=ROOT)
 
 
 def _build(model_kind, layers, width=None):

@@ -7,32 +7,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from sppo_fx.models import build
-from sppo_fx.runtime.launch import start_local_ranks
+from sppo_fx.runtime.launch import run_local_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_pipeline.py")
 
 
 def _launch(nprocs, args, timeout=300.0):
-    procs = start_local_ranks([sys.executable, SCRIPT, *args], nprocs, cwd=ROOT)
-    results, start = [], time.monotonic()
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        results.append((p.returncode, out, err))
-    return results
+    return [r[:3] for r in run_local_ranks([sys.executable, SCRIPT, *args], nprocs, timeout, cwd=ROOT)]
 
 
 def _eager(kind, layers, seq_len, batch, microbatches, ignore_every=0, kv_heads=None):

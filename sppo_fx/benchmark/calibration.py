@@ -32,6 +32,17 @@ from sppo_fx.solver.pipeline import ComputeModel
 SMALL_BYTES, LARGE_BYTES = 4 * 1024, 4 * 2**20
 
 
+def bench_model_and_data(kind: str, size: str, batch: int, seq_len: int):
+    """The benchmark scripts' model (seed 0) and token batch (seed 1): (model, (x, y))."""
+    from sppo_fx.models import build
+    torch.manual_seed(0)
+    model = build(kind, size)
+    gen = torch.Generator().manual_seed(1)
+    v = model.config.vocab_size
+    return model, (torch.randint(0, v, (batch, seq_len), generator=gen),
+                   torch.randint(0, v, (batch, seq_len), generator=gen))
+
+
 def timed(fn, reps: int) -> list[float]:
     """Wall-clock seconds of `reps` calls of fn, after one warm-up call."""
     fn()

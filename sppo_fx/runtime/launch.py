@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 
 
 def free_port() -> int:
@@ -35,3 +36,23 @@ def start_local_ranks(cmd: list[str], world: int, capture: bool = True, **popen_
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(cmd, env=env, **popen_kwargs))
     return procs
+
+
+def run_local_ranks(cmd: list[str], world: int, timeout: float, **popen_kwargs) -> list[tuple[int, str, str, float]]:
+    """Start `world` ranks of `cmd` (`start_local_ranks`) and wait for all of them.
+
+    Returns:
+        [(return code, stdout, stderr, seconds from the start until it ended)] per rank;
+        all ranks are killed, and TimeoutExpired raised, when they take longer than `timeout`.
+    """
+    procs = start_local_ranks(cmd, world, **popen_kwargs)
+    results, start = [], time.monotonic()
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append((p.returncode, out, err, time.monotonic() - start))
+    return results
