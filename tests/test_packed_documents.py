@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import transformers  # a pinned test dependency: a missing install fails, not skips
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -21,7 +22,6 @@ from sppo_fx.errors import SppoError
 
 from conftest import assert_matches_eager
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face cases need transformers")
 
 # 48 tokens in chunks of 12: documents cross chunk boundaries (0-9 | 10-23 spans two), several
 # lie inside one chunk (24, 25-39 starts there), one-token documents (24, and 47 at the end)

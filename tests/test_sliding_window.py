@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # a pinned test dependency: a missing install fails, not skips
 
 import sppo_fx
 from sppo_fx.attention import prefix_causal_attention, windowed_causal_attention
@@ -16,7 +17,6 @@ from sppo_fx.passes import recognize_causal_masks
 from conftest import assert_matches_eager
 
 aten = torch.ops.aten
-transformers = pytest.importorskip("transformers", reason="the HF families need transformers")
 
 
 # ---------------------------------------------------------------- the prover, on hand-built graphs
