@@ -11,7 +11,8 @@ which each chunk holds until its backward anyway (to receive dK/dV from later ch
   private to the reading chunk and dropped with its state at its backward. Every chunk's
   backward reads its window again after all forwards, so these copies add up over the
   sequence; when they would exceed one full-sequence buffer (`copy_rows` >= T), the site
-  keeps that buffer instead (the smaller of the two, both exact).
+  keeps that buffer instead (the smaller of the two, both exact). `keeps_no_buffer` decides,
+  for the runtime and for the memory model (solver/budget.py) alike.
 
 Either way a chunk's rows are read by no chunk that starts W-1 or more positions after them,
 and the gradient of the prefix is split over the earlier chunks exactly as for a full buffer
@@ -42,14 +43,26 @@ def window_prefix(kv_of, bounds: list[tuple[int, int]], k: int, lo: int, start: 
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, -2)
 
 
-def copy_rows(bounds: list[tuple[int, int]], window: int) -> int:
-    """K/V rows per buffer the window prefixes copy over the whole sequence (`window_prefix`):
-    those of every chunk whose window reaches back past the previous chunk's start."""
-    rows = 0
+def chunk_copy_rows(bounds: list[tuple[int, int]], window: int) -> list[int]:
+    """Per chunk: the K/V rows per buffer its window prefix copies (`window_prefix`), those
+    of a chunk whose window reaches back past the previous chunk's start (0 otherwise)."""
+    rows = [0] * len(bounds)
     for i in range(1, len(bounds)):
         start, lo = bounds[i][0], max(0, bounds[i][0] - (window - 1))
-        rows += start - lo if lo < bounds[i - 1][0] else 0
+        rows[i] = start - lo if lo < bounds[i - 1][0] else 0
     return rows
+
+
+def copy_rows(bounds: list[tuple[int, int]], window: int) -> int:
+    """K/V rows per buffer the window prefixes copy over the whole sequence (`window_prefix`)."""
+    return sum(chunk_copy_rows(bounds, window))
+
+
+def keeps_no_buffer(bounds: list[tuple[int, int]], window: int | None) -> bool:
+    """Whether a site with this window (None: unbounded) keeps no full-sequence K/V buffer
+    under these chunk bounds: its window copies are fewer rows than the sequence. The one
+    test the runtime (`StageRunner._prefix`) and the memory model (`solver.budget`) share."""
+    return window is not None and bool(bounds) and copy_rows(bounds, window) < bounds[-1][1]
 
 
 def skeleton_bytes(states, buffers) -> int:

@@ -31,7 +31,7 @@ from sppo_fx.ops.offload import MatmulGrad, active_memory
 from sppo_fx.ops.seq_parallel import active_split
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
-from sppo_fx.runtime.kv_window import copy_rows, skeleton_bytes, window_prefix
+from sppo_fx.runtime.kv_window import keeps_no_buffer, skeleton_bytes, window_prefix
 from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
 import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 
@@ -215,7 +215,7 @@ class StageRunner:
                 full = list(shape)
                 full[-2] = self.plan.seq_len
                 # no full-sequence buffer for a window, unless its copies are larger (runtime/kv_window.py)
-                bounded = site.window is not None and copy_rows(self.plan.bounds(), site.window) < self.plan.seq_len
+                bounded = keeps_no_buffer(self.plan.bounds(), site.window)
                 mb.kv_buffers.append(None if bounded else torch.empty(full, dtype=site.dtype, device=device))
         start = self.plan.starts[i]
         out = []
