@@ -241,11 +241,14 @@ def test_window_skeleton_bytes_do_not_grow_with_the_sequence(monkeypatch):
 
 def test_window_copies_counted_where_the_window_reaches_past_the_previous_chunk():
     """`copy_rows` decides between per-chunk window copies and one full buffer."""
-    from sppo_fx.runtime.kv_window import copy_rows
-    bounds = lambda lengths: [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]  # noqa: E731
-    assert copy_rows(bounds([8] * 4), 8) == 0  # every window lies inside the previous chunk: views
-    assert copy_rows(bounds([4] * 4), 8) == 7 + 7  # chunks 2 and 3 read 7 rows over two chunks
-    assert copy_rows(bounds([5, 20, 3, 20]), 16) == 15  # only the chunk after the 3-token one
+    from sppo_fx.runtime.kv_window import copy_rows, window_firsts
+
+    def rows(lengths, window):
+        bounds = [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]
+        return copy_rows(bounds, window_firsts(bounds, window))
+    assert rows([8] * 4, 8) == 0  # every window lies inside the previous chunk: views
+    assert rows([4] * 4, 8) == 7 + 7  # chunks 2 and 3 read 7 rows over two chunks
+    assert rows([5, 20, 3, 20], 16) == 15  # only the chunk after the 3-token one
 
 
 # ---------------------------------------------------------------- the memory model knows the bounded skeleton

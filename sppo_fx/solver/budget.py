@@ -77,7 +77,7 @@ from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.passes import cost as cost_model
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
-from sppo_fx.runtime.kv_window import chunk_copy_rows, keeps_no_buffer
+from sppo_fx.runtime.kv_window import chunk_copy_rows, keeps_no_buffer, window_firsts
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
 from sppo_fx.units import parse_bytes
 
@@ -178,13 +178,14 @@ def _kept_skeleton(mem: MemoryModel, lengths: list[int], starts: list[int], l1: 
         grads[j] = grads[j - 1] + l1[j - 1]
     for window, level1 in mem.windowed:
         mine = [level1(c, t) for c, t in zip(lengths, starts)]
-        if keeps_no_buffer(bounds, window):
+        firsts = window_firsts(bounds, window)
+        if keeps_no_buffer(bounds, firsts):
             buffer = [x - y for x, y in zip(buffer, mine)]
             copies = [x + (level1(r, t) if r else 0)
-                      for x, r, t in zip(copies, chunk_copy_rows(bounds, window), starts)]
+                      for x, r, t in zip(copies, chunk_copy_rows(bounds, firsts), starts)]
         expired, i = 0, 0  # chunks that end before chunk j's window: no window of chunks >= j reads them
         for j in range(n):
-            lo = starts[j] - (window - 1)
+            lo = firsts[j]
             while i < j and bounds[i][1] <= lo:
                 expired, i = expired + mine[i], i + 1
             grads[j] -= expired
