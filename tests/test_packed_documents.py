@@ -288,6 +288,35 @@ def test_chunks_skip_the_documents_that_ended_before_them(monkeypatch):
     assert grads and max(grads) <= 19
 
 
+def test_skeleton_keeps_no_finished_documents(monkeypatch):
+    """The K/V skeleton held at the end of the forward (`StageRunner.skeleton_bytes`) keeps
+    no rows of documents that ended before a chunk: with documents that each fit a chunk it
+    holds nothing, at T = 48 and 192 alike, where one long document keeps the whole
+    sequence; with LENGTHS' documents (chunk 2 reads row 1's document from position 5)
+    only that chunk's 19 rows are copied, not 48. Losses and gradients equal eager's."""
+    from sppo_fx.runtime.local import StageRunner
+    held = []
+    finish = StageRunner.finish_forward
+
+    def recording_finish(self, mb):
+        held.append(self.skeleton_bytes(mb))
+        return finish(self, mb)
+
+    monkeypatch.setattr(StageRunner, "finish_forward", recording_finish)
+    model = DocModel(layers=1)
+    compiled = sppo_fx.compile(model, chunk_lengths=[12] * 4, compile=False)
+    measured = {}
+    for name, t, rows in [("short", 48, [[6] * 8] * 2), ("short", 192, [[6] * 32] * 2),
+                          ("one", 48, [[48]] * 2), ("one", 192, [[192]] * 2), ("mixed", 48, LENGTHS)]:
+        compiled.options.chunk_lengths = [12] * (t // 12)
+        ids, doc = torch.randint(0, 101, (2, t)), _doc_ids(rows)
+        assert_matches_eager(model, lambda m: m(ids, doc, ids), lambda: compiled(ids, doc, ids))
+        measured[(name, t)] = held[-1]
+    assert measured[("short", 48)] == measured[("short", 192)] == 0
+    assert measured[("one", 192)] == 4 * measured[("one", 48)] > 0
+    assert measured[("mixed", 48)] * 48 == measured[("one", 48)] * 19
+
+
 # ---------------------------------------------------------------- the streamed skeleton
 
 def test_documents_refuse_the_streamed_skeleton_before_any_step():

@@ -241,8 +241,91 @@ def test_window_skeleton_bytes_do_not_grow_with_the_sequence(monkeypatch):
 
 def test_window_copies_counted_where_the_window_reaches_past_the_previous_chunk():
     """`copy_rows` decides between per-chunk window copies and one full buffer."""
-    from sppo_fx.runtime.kv_window import copy_rows
-    bounds = lambda lengths: [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]  # noqa: E731
-    assert copy_rows(bounds([8] * 4), 8) == 0  # every window lies inside the previous chunk: views
-    assert copy_rows(bounds([4] * 4), 8) == 7 + 7  # chunks 2 and 3 read 7 rows over two chunks
-    assert copy_rows(bounds([5, 20, 3, 20]), 16) == 15  # only the chunk after the 3-token one
+    from sppo_fx.runtime.kv_window import copy_rows, window_firsts
+
+    def rows(lengths, window):
+        bounds = [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]
+        return copy_rows(bounds, window_firsts(bounds, window))
+    assert rows([8] * 4, 8) == 0  # every window lies inside the previous chunk: views
+    assert rows([4] * 4, 8) == 7 + 7  # chunks 2 and 3 read 7 rows over two chunks
+    assert rows([5, 20, 3, 20], 16) == 15  # only the chunk after the 3-token one
+
+
+# ---------------------------------------------------------------- the memory model knows the bounded skeleton
+
+def _skeleton_measured_and_predicted(window, plans):
+    """Per chunk lengths: (the K/V skeleton `StageRunner.skeleton_bytes` measures at the end
+    of a training step's forward, the memory model's `kept_skeleton_bytes`), and the model."""
+    from sppo_fx.runtime.local import StageRunner
+    from sppo_fx.solver.budget import kept_skeleton_bytes, memory_models
+    measured = {}
+    finish = StageRunner.finish_forward
+
+    def recording_finish(self, mb):
+        measured[tuple(self.plan.chunk_lengths)] = self.skeleton_bytes(mb)
+        return finish(self, mb)
+
+    model = _family("mistral", window=window, layers=1)
+    compiled = sppo_fx.compile(model, chunk_lengths=plans[0], compile=False)
+    StageRunner.finish_forward = recording_finish
+    try:
+        for lengths in plans:  # one capture: the entry serves every sequence length
+            compiled.options.chunk_lengths = lengths
+            ids = torch.randint(0, 101, (2, sum(lengths)))
+            compiled(input_ids=ids, labels=ids).backward()
+    finally:
+        StageRunner.finish_forward = finish
+    entry = compiled._require_entry()
+    assert [s.window for s in entry.program.attention] == [window]
+    params = [entry.captured.param_value(n) for n in entry.program.params]
+    (memory,) = memory_models(entry.program, entry.captured.seq, params, ("none",))
+    return {tuple(ls): (measured[tuple(ls)], kept_skeleton_bytes(memory, ls)) for ls in plans}, memory, entry
+
+
+W_MODEL, VIEWS, LONG_VIEWS, COPIES, SHORT = 8, [8] * 4, [8] * 16, [5, 20, 3, 4], [4] * 8
+
+
+@pytest.fixture(scope="module")
+def windowed_skeleton():
+    """The windowed model (W = 8) run and modelled once for the tests below."""
+    return _skeleton_measured_and_predicted(W_MODEL, [VIEWS, LONG_VIEWS, COPIES, SHORT])
+
+
+def test_predicted_skeleton_bytes_equal_the_runtime_and_stay_bounded_by_the_window(windowed_skeleton):
+    """The memory model's kept skeleton equals what the runtime holds, byte for byte, in
+    each case of `kv_window.keeps_no_buffer`: chunks of W (views: nothing kept, at T = 4W
+    and 16W alike), chunks whose windows reach two chunks back but copy fewer rows than T
+    (the copies), and chunks so short that the copies would pass T (the full buffer). The
+    causal control's prediction grows with T, as its measurement does."""
+    views, long_views, copies, short = VIEWS, LONG_VIEWS, COPIES, SHORT
+    windowed, _, _ = windowed_skeleton
+    causal, _, _ = _skeleton_measured_and_predicted(None, [views, long_views])
+    for case in (windowed, causal):
+        for lengths, (measured, predicted) in case.items():
+            assert predicted == measured, (lengths, predicted, measured)
+    assert windowed[tuple(views)][1] == windowed[tuple(long_views)][1] == 0
+    assert 0 < windowed[tuple(copies)][1] < causal[tuple(views)][1]  # 7 rows copied, not 32
+    assert windowed[tuple(short)][1] == causal[tuple(views)][1]  # 42 rows of copies >= 32: the buffer
+    assert causal[tuple(long_views)][1] == 4 * causal[tuple(views)][1] > 0
+
+
+def test_budget_solver_plans_a_windowed_model_below_the_full_skeleton_minimum(windowed_skeleton):
+    """At T = 16W the solver fits a windowed model into a budget a whole K/V buffer below the
+    least any plan needs when its skeleton is counted as a full-sequence buffer (the old
+    accounting: the same model without its windowed sites). The smaller dK/dV of a window
+    alone would not get there."""
+    import dataclasses
+    from sppo_fx.errors import InfeasibleBudget
+    from sppo_fx.solver.budget import kept_skeleton_bytes, predict_peak, solve
+    _, memory, entry = windowed_skeleton
+    full_accounting = dataclasses.replace(memory, windowed=())
+    t, counts = 16 * W_MODEL, [4, 8, 16]  # chunks of W or more: no buffer, no copies
+    kw = dict(rate=1e9, bandwidth=1e9, chunk_counts=counts)
+    with pytest.raises(InfeasibleBudget) as refused:
+        solve(entry.cost, full_accounting, t, 1, **kw)
+    buffer = kept_skeleton_bytes(full_accounting, [t // 4] * 4)
+    assert buffer > 0 and all(kept_skeleton_bytes(memory, [t // n] * n) == 0 for n in counts)
+    budget = refused.value.minimum_bytes - buffer
+    chosen = solve(entry.cost, memory, t, budget, **kw)
+    assert chosen.peak_bytes <= budget
+    assert predict_peak(memory, chosen.lengths, chosen.ratios, "keep", chosen.copy_window_bytes) <= budget

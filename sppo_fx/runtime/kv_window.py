@@ -1,21 +1,27 @@
-"""The bounded K/V skeleton of sliding-window attention sites (skeleton="keep").
+"""The bounded K/V skeleton of sliding-window and packed-document sites (skeleton="keep").
 
 A chunk of a site with window W reads only positions start-W+1..start-1 of the earlier
-chunks' K/V (`StageRunner._prefix_starts`), so the runtime keeps no [b, h_kv, T, d] buffer
-for it. The prefix is built from the earlier chunks' own K/V outputs (`_ChunkState.kv`),
-which each chunk holds until its backward anyway (to receive dK/dV from later chunks):
+chunks' K/V, and a chunk of a packed-document site only those from the document of its
+first token on (the earliest over the batch rows; `StageRunner._prefix_starts`): per chunk,
+a first position read. Rather than a [b, h_kv, T, d] buffer, the prefix is then built from
+the earlier chunks' own K/V outputs (`_ChunkState.kv`), which each chunk holds until its
+backward anyway (to receive dK/dV from later chunks):
 
-* the window lies inside the previous chunk (chunks at least W-1 long): the prefix is a view
-  of that chunk's K/V output, so the skeleton allocates nothing;
-* it spans several earlier chunks (shorter chunks): one contiguous copy of those <= W-1 rows,
-  private to the reading chunk and dropped with its state at its backward. Every chunk's
-  backward reads its window again after all forwards, so these copies add up over the
-  sequence; when they would exceed one full-sequence buffer (`copy_rows` >= T), the site
-  keeps that buffer instead (the smaller of the two, both exact).
+* the rows read lie inside the previous chunk (chunks at least W-1 long; documents that
+  started in the previous chunk or later): the prefix is a view of that chunk's K/V output,
+  so the skeleton allocates nothing;
+* they span several earlier chunks (shorter chunks; a document that started earlier): one
+  contiguous copy of those rows, private to the reading chunk and dropped with its state
+  at its backward. Every chunk's backward reads its prefix again after all forwards, so
+  these copies add up over the sequence; when they would reach one full-sequence buffer
+  (`copy_rows` >= T), the site keeps that buffer instead (the smaller of the two, both
+  exact). `keeps_no_buffer` decides, for the runtime and for the memory model
+  (solver/budget.py, windows only: document boundaries are data) alike.
 
-Either way a chunk's rows are read by no chunk that starts W-1 or more positions after them,
+Either way a chunk's rows are read by no chunk whose first position read is past them,
 and the gradient of the prefix is split over the earlier chunks exactly as for a full buffer
-(`StageRunner.backward`), since the prefix covers the same positions.
+(`StageRunner.backward`), since the prefix covers the same positions. Causal sites keep
+the full buffer.
 """
 from __future__ import annotations
 
@@ -42,14 +48,39 @@ def window_prefix(kv_of, bounds: list[tuple[int, int]], k: int, lo: int, start: 
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, -2)
 
 
-def copy_rows(bounds: list[tuple[int, int]], window: int) -> int:
-    """K/V rows per buffer the window prefixes copy over the whole sequence (`window_prefix`):
-    those of every chunk whose window reaches back past the previous chunk's start."""
-    rows = 0
+def window_first(start: int, window: int | None) -> int:
+    """The first position a chunk starting at `start` reads under a sliding window
+    (None: 0, the whole prefix)."""
+    return 0 if window is None else max(0, start - (window - 1))
+
+
+def window_firsts(bounds: list[tuple[int, int]], window: int | None) -> list[int]:
+    """`window_first` of every chunk."""
+    return [window_first(s, window) for s, _ in bounds]
+
+
+def chunk_copy_rows(bounds: list[tuple[int, int]], firsts: list[int]) -> list[int]:
+    """Per chunk: the K/V rows per buffer its prefix copies (`window_prefix`) when chunk i
+    reads from position firsts[i] on: those of a chunk whose prefix reaches back past the
+    previous chunk's start (0 otherwise)."""
+    rows = [0] * len(bounds)
     for i in range(1, len(bounds)):
-        start, lo = bounds[i][0], max(0, bounds[i][0] - (window - 1))
-        rows += start - lo if lo < bounds[i - 1][0] else 0
+        start, lo = bounds[i][0], firsts[i]
+        rows[i] = start - lo if lo < bounds[i - 1][0] else 0
     return rows
+
+
+def copy_rows(bounds: list[tuple[int, int]], firsts: list[int]) -> int:
+    """K/V rows per buffer the prefixes copy over the whole sequence (`chunk_copy_rows`)."""
+    return sum(chunk_copy_rows(bounds, firsts))
+
+
+def keeps_no_buffer(bounds: list[tuple[int, int]], firsts: list[int]) -> bool:
+    """Whether a site whose chunks read from positions `firsts` on keeps no full-sequence
+    K/V buffer under these chunk bounds: its prefix copies are fewer rows than the
+    sequence. The one test the runtime (`StageRunner._prefix`) and the memory model
+    (`solver.budget`, with `window_firsts`) share."""
+    return bool(bounds) and copy_rows(bounds, firsts) < bounds[-1][1]
 
 
 def skeleton_bytes(states, buffers) -> int:

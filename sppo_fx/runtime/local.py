@@ -31,7 +31,7 @@ from sppo_fx.ops.offload import MatmulGrad, active_memory
 from sppo_fx.ops.seq_parallel import active_split
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
-from sppo_fx.runtime.kv_window import copy_rows, skeleton_bytes, window_prefix
+from sppo_fx.runtime.kv_window import keeps_no_buffer, skeleton_bytes, window_first, window_prefix
 from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
 import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 
@@ -74,7 +74,7 @@ class _ChunkState:
 class _MicroBatch:
     def __init__(self, boundary):
         self.boundary = boundary
-        # per site: K then V, [b, h_kv, T, d]; None for a windowed site (runtime/kv_window.py)
+        # per site: K then V, [b, h_kv, T, d]; None for a bounded window/document site (runtime/kv_window.py)
         self.kv_buffers: list[torch.Tensor | None] = []
         self.skeleton = None  # KVSkeleton (skeleton="offload")
         self.states: dict[int, _ChunkState] = {}
@@ -211,11 +211,14 @@ class StageRunner:
             return out
         sites = [(site, shape) for site in self.program.attention for shape in (site.k_shape, site.v_shape)]
         if not mb.kv_buffers:
-            for site, shape in sites:
+            firsts = [self._prefix_starts(s, mb) for s, _ in self.plan.bounds()]  # per chunk, per buffer
+            for k, (site, shape) in enumerate(sites):
                 full = list(shape)
                 full[-2] = self.plan.seq_len
-                # no full-sequence buffer for a window, unless its copies are larger (runtime/kv_window.py)
-                bounded = site.window is not None and copy_rows(self.plan.bounds(), site.window) < self.plan.seq_len
+                # no full-sequence buffer for a window or packed documents, unless their
+                # copies are larger (runtime/kv_window.py); causal sites keep theirs
+                bounded = (site.window is not None or bool(site.documents)) and \
+                    keeps_no_buffer(self.plan.bounds(), [f[k] for f in firsts])
                 mb.kv_buffers.append(None if bounded else torch.empty(full, dtype=site.dtype, device=device))
         start = self.plan.starts[i]
         out = []
@@ -240,7 +243,7 @@ class StageRunner:
         packed documents it starts at the document of the chunk's first token (the
         earliest over the batch rows): earlier documents are neither read nor sent
         gradients."""
-        return [max(0 if site.window is None else start - (site.window - 1),
+        return [max(window_first(start, site.window),
                     self._document_start(mb, site.documents, start) if site.documents else 0)
                 for site in self.program.attention for _ in range(2)]
 

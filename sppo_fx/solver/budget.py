@@ -16,6 +16,15 @@ Memory model of one sequence on one device (bytes; chunk i has c_i tokens at sta
            layer while it frees that chunk's saved activations, so there the larger of the
            two counts, not their sum)
 
+Sliding-window sites (`runtime.kv_window`): where `kv_window.keeps_no_buffer` holds for the
+chunk bounds (no chunk's window copies add up to the sequence), a windowed site keeps no
+full-sequence buffer: its L1_i leaves the `sum_i L1_i` skeleton terms, and what it holds
+instead is each chunk's copy of the window rows that reach past the previous chunk (none
+when chunks are at least W-1 long), until that chunk's backward. Its dK/dV accumulators at
+chunk j's backward are those of the chunks the windows of chunks >= j reach (whether or not
+it keeps a buffer). `kept_skeleton_bytes` is the skeleton this predicts at the end of the
+forward, what `StageRunner.skeleton_bytes` measures there.
+
 With a copy window W (`Plan.copy_window_bytes`, `runtime.memory.CopyWindow`) the copies
 in flight are bounded, so a chunk's offloaded part is never on the device all at once:
 
@@ -60,11 +69,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+
+import sympy
 
 from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.passes import cost as cost_model
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
+from sppo_fx.runtime.kv_window import chunk_copy_rows, keeps_no_buffer, window_firsts
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
 from sppo_fx.units import parse_bytes
 
@@ -89,6 +102,8 @@ class MemoryModel:
         recompute: the recompute policy this model describes.
         recompute_fraction: extra compute of that policy, as a fraction of forward time.
         sites: attention sites (the stream buffer of an offloaded skeleton is per site).
+        windowed: per sliding window W of some sites, (W, (c, p) -> K/V bytes of those
+            sites' share of a chunk); `level1` counts them too.
     """
 
     level1: object
@@ -99,6 +114,7 @@ class MemoryModel:
     recompute: str = "none"
     recompute_fraction: float = 0.0
     sites: int = 1
+    windowed: tuple = ()
 
     def streamed_level2(self, c, p) -> int:
         """Chunk-private saved bytes with the skeleton offloaded: the chunk's own K/V are saved
@@ -107,7 +123,7 @@ class MemoryModel:
 
     @classmethod
     def from_chunk_cost(cls, chunk_cost, fixed_bytes: int = 0, *, baseline=None, recompute: str = "none",
-                        recompute_fraction: float = 0.0) -> "MemoryModel":
+                        recompute_fraction: float = 0.0, windows: dict | None = None) -> "MemoryModel":
         """From `sppo_fx.passes.cost.ChunkCost` (sympy in c, p).
 
         Args:
@@ -115,10 +131,11 @@ class MemoryModel:
             fixed_bytes: see the class.
             baseline: the "none" policy's ChunkCost (for the bytes a recompute rebuilds).
             recompute / recompute_fraction: see the class.
+            windows: attention site name -> its sliding window, for the windowed sites.
         """
-        def at(cc, key):
+        def at(cc, key, expr=None):
             # the solver asks for the same (c, p) many times: substitute each pair once
-            expr, batch = getattr(cc, key), cc.batch
+            expr, batch = getattr(cc, key) if expr is None else expr, cc.batch
 
             @functools.lru_cache(maxsize=None)
             def value(c, p):
@@ -129,8 +146,15 @@ class MemoryModel:
         if baseline is not None:
             mine, full = at(chunk_cost, "level2_bytes"), at(baseline, "level2_bytes")
             rebuilt = lambda c, p: max(full(c, p) - mine(c, p), 0)  # noqa: E731
+        by_window: dict[int, list] = {}
+        for s in chunk_cost.saved:  # level 1 is named "<site>.k" / "<site>.v" (`passes.cost.saved`)
+            window = (windows or {}).get(s.name.rsplit(".", 1)[0]) if s.level == 1 else None
+            if window is not None:
+                by_window.setdefault(window, []).append(s.bytes_expr)
+        windowed = tuple((w, at(chunk_cost, None, sympy.Add(*exprs))) for w, exprs in sorted(by_window.items()))
         return cls(at(chunk_cost, "level1_bytes"), at(chunk_cost, "level2_bytes"), fixed_bytes,
-                   recomputed=rebuilt, recompute=recompute, recompute_fraction=recompute_fraction)
+                   recomputed=rebuilt, recompute=recompute, recompute_fraction=recompute_fraction,
+                   windowed=windowed)
 
 
 def copy_window(mem: MemoryModel, lengths: list[int], skeleton: str = "keep") -> int:
@@ -141,6 +165,39 @@ def copy_window(mem: MemoryModel, lengths: list[int], skeleton: str = "keep") ->
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     largest = max(level2(c, t) for c, t in zip(lengths, starts))
     return max(min(largest, 2 * largest // max(1, mem.sites)), 1 << 20)
+
+
+def _kept_skeleton(mem: MemoryModel, lengths: list[int], starts: list[int], l1: list[int]):
+    """The kept skeleton per chunk j (see the module docstring), in bytes: chunk j's rows of
+    the full-sequence buffers, the window rows chunk j copies, and the dK/dV accumulators
+    alive at chunk j's backward for the chunks before it."""
+    n = len(lengths)
+    bounds = [(t, t + c) for c, t in zip(lengths, starts)]
+    buffer, copies, grads = list(l1), [0] * n, [0] * n
+    for j in range(1, n):
+        grads[j] = grads[j - 1] + l1[j - 1]
+    for window, level1 in mem.windowed:
+        mine = [level1(c, t) for c, t in zip(lengths, starts)]
+        firsts = window_firsts(bounds, window)
+        if keeps_no_buffer(bounds, firsts):
+            buffer = [x - y for x, y in zip(buffer, mine)]
+            copies = [x + (level1(r, t) if r else 0)
+                      for x, r, t in zip(copies, chunk_copy_rows(bounds, firsts), starts)]
+        expired, i = 0, 0  # chunks that end before chunk j's window: no window of chunks >= j reads them
+        for j in range(n):
+            lo = firsts[j]
+            while i < j and bounds[i][1] <= lo:
+                expired, i = expired + mine[i], i + 1
+            grads[j] -= expired
+    return buffer, copies, grads
+
+
+def kept_skeleton_bytes(mem: MemoryModel, lengths: list[int]) -> int:
+    """Bytes of K/V skeleton the runtime keeps (skeleton="keep") at the end of the forward:
+    the full-sequence buffers and the window copies (`StageRunner.skeleton_bytes`)."""
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    buffer, copies, _ = _kept_skeleton(mem, lengths, starts, [mem.level1(c, t) for c, t in zip(lengths, starts)])
+    return sum(buffer) + sum(copies)
 
 
 def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skeleton: str = "keep",
@@ -158,20 +215,23 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
     for j in range(n):
         l1_before[j + 1] = l1_before[j] + l1[j]
         resident_before[j + 1] = resident_before[j] + (1 - ratios[j]) * l2[j]
-    # kept: the skeleton buffer of the chunks so far, plus each chunk's own K/V outputs, which
-    # its graph also saves for its backward (a second copy, alive until that backward);
-    # offloaded: two blocks of one site streaming in (own K/V are in L2)
+    # kept: the skeleton buffer of the chunks so far (and window copies), plus each chunk's
+    # own K/V outputs, which its graph also saves for its backward (a second copy, alive
+    # until that backward); offloaded: two blocks of one site streaming in (own K/V are in L2)
     stream = [2 * max(l1[:j], default=0) // max(1, mem.sites) for j in range(n)]
     kept = skeleton != "offload"
+    buffer, copies, grads = _kept_skeleton(mem, lengths, starts, l1) if kept else ([0] * n, [0] * n, l1_before)
+    skeleton_upto = [0, *itertools.accumulate(x + y for x, y in zip(buffer, copies))]  # chunks < j
+    copies_upto = list(itertools.accumulate(copies))  # window copies of chunks <= j
     sites = max(1, mem.sites)
     peak = 0
     for j in range(n):  # forward
-        held = 2 * l1_before[j + 1] if kept else stream[j]
+        held = l1_before[j + 1] + skeleton_upto[j + 1] if kept else stream[j]
         offloaded = ratios[j] * l2[j] + (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
         mine = l2[j] if window is None else (1 - ratios[j]) * l2[j] + min(offloaded, window)
         peak = max(peak, held + resident_before[j] + mine + work[j])
     for j in range(n - 1, -1, -1):  # backward: skeleton (+ own K/V of chunks <= j) or a stream buffer,
-        held = l1_before[n] + l1_before[j + 1] if kept else stream[n - 1]  # and dK/dV of chunks < j
+        held = sum(buffer) + copies_upto[j] + l1_before[j + 1] if kept else stream[n - 1]  # and dK/dV
         if window is None:  # the whole chunk is back, and the previous one is on its way
             mine, coming = l2[j], (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
         else:
@@ -184,7 +244,7 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
             own = max(mine + rebuilt[j], mem.fixed_bytes)
         else:
             own = mine + rebuilt[j] + mem.fixed_bytes
-        peak = max(peak, held + l1_before[j] + resident_before[j] + own + coming + work[j])
+        peak = max(peak, held + grads[j] + resident_before[j] + own + coming + work[j])
     return int(peak)
 
 
@@ -374,11 +434,13 @@ def memory_models(program, seq, params, policies=RECOMPUTE_POLICIES) -> list[Mem
     costs = cost_model.chunk_costs(program, seq, params=params, partition="min_cut",
                                    recomputes=("none", *[r for r in policies if r != "none"]))
     base = costs["none"]
+    windows = {site.name: site.window for site in program.attention if site.window is not None}
     models = []
     for policy in policies:
         cc = costs[policy]
         model = MemoryModel.from_chunk_cost(cc, grads, baseline=None if policy == "none" else base,
-                                            recompute=policy, recompute_fraction=recompute_fraction(base, policy))
+                                            recompute=policy, recompute_fraction=recompute_fraction(base, policy),
+                                            windows=windows)
         model.sites = max(1, len(program.attention))
         if policy == "cheap" and model.recomputed is not None:
             # pointwise ops are rebuilt next to their use, block by block: about two
