@@ -194,20 +194,25 @@ def test_records_round_trip_and_compare(tmp_path):
 
 
 def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
-    """A tiny grid in worker processes: eager and checkpointing beside a library row without
-    and with a budget (recompute fixed to keep the solver quick); the budget row carries
-    the plan's predictions beside its measurements."""
+    """A tiny grid in worker processes: eager and checkpointing beside library rows without
+    a budget, with one (recompute fixed to keep the solver quick), and the former grid's
+    disk tier on two pipeline stages (local ranks), pruned with --skip. The budget row
+    carries the plan's predictions beside its measurements; every row's loss and
+    gradients (pipeline ranks' merged) equal eager's."""
     out = tmp_path / "run"
     code = main(["bench", "--size", "tiny", "--seq-len", "64", "--steps", "1", "--anchors", "eager,checkpoint",
-                 "--chunks", "2", "--budget", "none,1GiB", "--recompute", "none", "--baseline", "checkpoint",
+                 "--chunks", "2", "--budget", "none,1GiB", "--recompute", "none", "--offload", "none,disk",
+                 "--stages", "1,2", "--skip", "offload=disk,stages=1", "--skip", "budget=1GiB,stages=2",
+                 "--skip", "offload=none,stages=2", "--baseline", "checkpoint",
                  "--out", str(out), "--plot", str(tmp_path / "p.png")])
     stdout, err = capsys.readouterr()
     assert code == 0, stdout + err
     record = report.load_record(str(out))
     rows = {r["label"]: r for r in record["rows"]}
-    assert list(rows) == ["eager", "checkpoint", "sppo chunks=2 recompute=none", "sppo budget=1GiB recompute=none"]
+    assert list(rows) == ["eager", "checkpoint", "sppo chunks=2 recompute=none",
+                          "sppo chunks=2 recompute=none offload=disk stages=2", "sppo budget=1GiB recompute=none"]
     assert record["baseline"] == "checkpoint" and rows["checkpoint"]["time_ratio"] == 1.0
-    assert record["machine"]["cores"] and len(record["runs"]) == 4 and "commit" in record
+    assert record["machine"]["cores"] and len(record["runs"]) == 5 and "commit" in record
     for r in rows.values():
         assert r["step_s"] > 0 and r["first_s"] > 0 and r["max_grad_diff"] < 1e-5, r
         assert abs(r["loss"] - rows["eager"]["loss"]) < 1e-4
@@ -217,7 +222,9 @@ def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     # a plan the solver did not choose is predicted by the same models
     fixed = rows["sppo chunks=2 recompute=none"]
     assert fixed["predicted_peak_bytes"] > 0 and fixed["predicted_step_s"] > 0 and "peak_vs_predicted" in fixed
-    assert "pred. peak MiB" in stdout and "vs checkpoint" in stdout and "[round 1/1, 4/4]" in err
+    assert "pred. peak MiB" in stdout and "vs checkpoint" in stdout and "peak extra MiB" in stdout
+    assert "[round 1/1, 5/5]" in err and "step " in err  # progress while it runs
+    assert (out / "bench.csv").read_text().count("\n") == 6  # header + 5 rows
     assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p.svg").exists()
 
 

@@ -269,7 +269,11 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     CS, PS, HS, DS = (1, 17, 64, 128), (0, 1, 63, 300), ((4, 4), (8, 2)), (16, 64)
     BWD_SUBSET = {(1, 0), (1, 300), (17, 63), (17, 1), (64, 0), (64, 63), (128, 1), (128, 300)}
     seed = 0
-    for c, p, (h, h_kv), d in itertools.product(CS, PS, HS, DS):
+    # every (c, p) pair with both head layouts; head dims alternate between pairs (the
+    # interpreter is slow, and tiles depend on c, p and d, not on the heads)
+    HD = list(itertools.product(HS, DS))
+    cases = [(c, p, *HD[(j + k) % len(HD)]) for j, (c, p) in enumerate(itertools.product(CS, PS)) for k in (0, 2)]
+    for c, p, (h, h_kv), d in cases:
         seed += 1
         name = f"c{c}_p{p}_h{h}_kv{h_kv}_d{d}"
         q, k, v, do = inputs(h, h_kv, c, p, d, torch.float32, seed)
@@ -493,7 +497,7 @@ FP32_ATOL, FP32_RTOL = 1e-5, 1e-5
 @needs_triton
 def test_triton_forward_full_grid_fp32(interpreter_results):
     fwd = interpreter_results["fwd"]
-    assert len(fwd) == 64
+    assert len(fwd) == 32  # 16 (c, p) pairs x 2 head layouts; both head dims over the pairs
     for name, e in fwd.items():
         _check(e, FP32_ATOL, FP32_RTOL, f"fwd {name}")
 
@@ -501,7 +505,8 @@ def test_triton_forward_full_grid_fp32(interpreter_results):
 @needs_triton
 def test_triton_backward_fp32(interpreter_results):
     bwd = interpreter_results["bwd"]
-    assert len(bwd) == 8 * 4  # 8 (c, p) pairs x 2 head layouts x 2 head dims
+    assert len(bwd) == 8 * 2  # 8 (c, p) pairs x 2 head layouts
+    assert {name.rsplit("_d", 1)[1] for name in bwd} == {"16", "64"}
     for name, errs in bwd.items():
         for g, e in zip(("dq", "dk", "dv"), errs):
             _check(e, FP32_ATOL, FP32_RTOL, f"{g} {name}")

@@ -32,24 +32,3 @@ def test_explain_command(capsys):
 def test_python_dash_m_entry_point():
     res = subprocess.run([sys.executable, "-m", "sppo_fx", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "demo" in res.stdout
-
-
-def test_bench_grid_runs_end_to_end(tmp_path, capsys):
-    """The former grid flags (chunks 0 = eager, offload tiers, pipeline stages) through the
-    benchmark engine: every row in its own process(es), equal losses and gradients."""
-    import json
-
-    code = main(["bench", "--size", "tiny", "--seq-len", "64", "--chunks", "0,2", "--offload", "none,disk",
-                 "--stages", "1,2", "--steps", "1", "--out", str(tmp_path)])
-    out, err = capsys.readouterr()
-    assert code == 0, out + err
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    labels = [r["label"] for r in rows]
-    assert labels[0] == "eager" and len(rows) == 5  # eager + 2 tiers x 2 stage counts
-    assert "sppo chunks=2 offload=disk stages=2" in labels
-    assert "5/5]" in err and "step " in err  # progress while it runs
-    assert (tmp_path / "bench.csv").read_text().count("\n") == 6
-    for r in rows:
-        assert r["step_s"] > 0 and abs(r["loss"] - rows[0]["loss"]) < 1e-4, r
-        assert r["max_grad_diff"] < 1e-5, r  # pipeline ranks' gradients merged and compared with eager's
-    assert "peak extra MiB" in out
