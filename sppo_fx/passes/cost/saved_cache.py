@@ -165,7 +165,12 @@ def stored_saved_tensors_by_policy(program, values, batch: int, *, params: list[
     if not enabled(ENV):
         with phase(what, log):
             return saved_tensors_by_policy(program, values, batch, **kw)
-    key = memory_model_key(program, batch, **kw)
+    try:
+        key = memory_model_key(program, batch, **kw)
+    except Exception as e:  # noqa: BLE001 - the cache never fails a call; the trace says what is wrong
+        log.debug("memory model: no cache key (%s: %s); tracing", type(e).__name__, e)
+        with phase(what, log):
+            return saved_tensors_by_policy(program, values, batch, **kw)
     path = _path(key)
     if path in _memo:
         log.info("memory model: read from cache %s (kept in this process)", path)
