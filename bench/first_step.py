@@ -9,9 +9,9 @@ compiling, as a user's first run does:
     torch.compile    torch.compile(model), Inductor cache empty
     torch.compile 2  a second process on the same Inductor cache
     sppo budget      sppo_fx.compile(model, budget=fraction x eager's peak), Inductor cache and
-                     device-profile cache empty
-    sppo budget 2    a second process on the same caches (stored device profile, Inductor's
-                     FX graph cache)
+                     device-profile and memory-model caches empty
+    sppo budget 2    a second process on the same caches (stored device profile and memory
+                     model, Inductor's FX graph and AOTAutograd caches)
 
 "first step" is the first forward + backward, from the compile call to the end of
 backward; "import" is `import torch` (and sppo_fx) in that process, before it. For the sppo

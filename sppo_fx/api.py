@@ -166,10 +166,11 @@ class SppoCompiled:
         missing = [r for r in policies if r not in entry.memory]
         if missing:
             params = [entry.captured.param_value(n) for n in entry.program.params]
-            with phase(f"memory model: saved activations under recompute {'/'.join(missing)} (AOTAutograd "
-                       "partitions)", log):
-                for model in memory_models(entry.program, entry.captured.seq, params, missing):
-                    entry.memory[model.recompute] = model
+            # its phases: "memory model: saved activations under recompute ... (AOTAutograd
+            # partitions)" when traced, "memory model: read from cache" when stored
+            # (passes/cost/saved_cache.py)
+            for model in memory_models(entry.program, entry.captured.seq, params, missing):
+                entry.memory[model.recompute] = model
         device = next((entry.captured.param_value(n).device.type for n in entry.program.params), "cpu")
         profile = self.profile or device_profile(device, dir=o.offload_dir)
         self.profile = profile

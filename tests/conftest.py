@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -111,6 +112,21 @@ class HandGraph:
 @pytest.fixture
 def hand():
     return HandGraph()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_dir(tmp_path_factory):
+    """sppo_fx's disk caches (device profile, memory model: `sppo_fx/disk_cache.py`) in one
+    directory per test session: the suite never reads or writes ~/.cache, and its tests
+    (and the subprocesses they start, which inherit the variable) share one cache. A test
+    that needs a cold cache sets its own SPPO_FX_CACHE_DIR."""
+    previous = os.environ.get("SPPO_FX_CACHE_DIR")
+    os.environ["SPPO_FX_CACHE_DIR"] = str(tmp_path_factory.mktemp("sppo_fx_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("SPPO_FX_CACHE_DIR", None)
+    else:
+        os.environ["SPPO_FX_CACHE_DIR"] = previous
 
 
 @pytest.fixture(autouse=True)

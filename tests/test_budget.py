@@ -264,12 +264,13 @@ def test_plans_the_solver_did_not_choose_are_predicted_by_its_models():
     assert peak_kept == predict_peak(memory, kept.plan.chunk_lengths, [0.0] * 4)
 
 
-def test_one_trace_partitioned_per_policy_equals_a_trace_per_policy(monkeypatch):
+def test_one_trace_partitioned_per_policy_equals_a_trace_per_policy(monkeypatch, tmp_path):
     """The memory model traces the chunk program once (plus the first chunk) and partitions
     that joint graph once per recompute policy (`chunk_costs`); each policy's saved set
     must be what its own trace gives, so no partition may see another's recompute tags."""
     from torch._functorch import aot_autograd
     from sppo_fx.passes.cost import chunk_cost, chunk_costs
+    monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path))  # a cold memory model cache: every call traces
     torch.manual_seed(0)
     model = build("gpt", "tiny")
     x = torch.randint(0, model.config.vocab_size, (1, 64))

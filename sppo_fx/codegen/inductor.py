@@ -11,8 +11,8 @@ Across processes, Inductor's caches (in `TORCHINDUCTOR_CACHE_DIR`) serve a progr
 before: the FX graph cache (forward and backward graphs after the memory passes) and the
 AOTAutograd cache (the whole trace, partition and compile, keyed on Dynamo's graph). The
 AOTAutograd cache key holds the memory partitioner's `uuid()`: its policy and a digest of
-sppo_fx's sources, so an entry made by other memory passes is never reused. On CPU the
-chunk attention is an autograd.Function (`sppo_fx/attention.py`), which Dynamo traces into
+sppo_fx's sources (`sppo_fx/disk_cache.py`), so an entry made by other memory passes is
+never reused. On CPU the chunk attention is an autograd.Function (`sppo_fx/attention.py`), which Dynamo traces into
 the graph (forward and backward bodies, both in the key); torch refuses such graphs for the
 AOTAutograd cache unless told they are safe, which ours are: the bodies are all it does.
 On a hit no partition runs, so `CompiledProgram.partitions` has no record of that compile.
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import os
 
 import torch
 import torch.fx as fx
 
+from sppo_fx.disk_cache import source_digest
 from sppo_fx.log import get_logger, phase
 
 log = get_logger(__name__)
@@ -72,27 +71,11 @@ def _partitioner_class():
         def uuid(self):
             # the cache keys' word for what this partitioner does (the records list only
             # collects what it did)
-            return f"sppo_fx.memory_partitioner:{self.recompute}:{self.offload}:{_source_digest()}"
+            return f"sppo_fx.memory_partitioner:{self.recompute}:{self.offload}:{source_digest()}"
 
     SppoMemoryPartitioner.__module__ = __name__
     globals()["SppoMemoryPartitioner"] = SppoMemoryPartitioner
     return SppoMemoryPartitioner
-
-
-@functools.cache
-def _source_digest() -> str:
-    """sha256 of every sppo_fx source file (path and bytes): a change to the memory passes,
-    or to anything they call, changes the Inductor cache keys of the programs they made."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest = hashlib.sha256()
-    for dirpath, dirnames, files in os.walk(root):
-        dirnames.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(dirpath, name)
-            digest.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                digest.update(f.read())
-    return digest.hexdigest()
 
 
 def _make_partitioner(recompute: str, offload: bool):

@@ -6,9 +6,9 @@ call. It returns the profile stored for this machine, device and offload directo
 measurement (about a second, more on a busy machine).
 
 Where: `$SPPO_FX_CACHE_DIR/profiles/` (default `$XDG_CACHE_HOME/sppo_fx`, else
-`~/.cache/sppo_fx`), one JSON file per key. The key names what the figures depend on: the
-device (CPU model and core count, or the GPU's name), torch's thread count, and the
-filesystem of the offload directory (the disk tier's bandwidth).
+`~/.cache/sppo_fx`; `sppo_fx/disk_cache.py`), one JSON file per key. The key names what the
+figures depend on: the device (CPU model and core count, or the GPU's name), torch's thread
+count, and the filesystem of the offload directory (the disk tier's bandwidth).
 
 Refresh (after a hardware change, or when the calibration ran on a busy machine):
 `SPPO_FX_RECALIBRATE=1` measures again and overwrites the file; `device_profile(...,
@@ -23,6 +23,7 @@ import os
 import platform
 import tempfile
 
+from sppo_fx.disk_cache import cache_root, enabled, write_atomically
 from sppo_fx.log import get_logger, phase
 from sppo_fx.solver.profiles import DeviceProfile, calibrate
 
@@ -32,9 +33,7 @@ CALIBRATE_SECONDS = 1.0
 
 def cache_dir() -> str:
     """The directory that holds the stored profiles."""
-    base = os.environ.get("SPPO_FX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "sppo_fx")
-    return os.path.join(base, "profiles")
+    return os.path.join(cache_root(), "profiles")
 
 
 def _cpu_model() -> str:
@@ -72,10 +71,6 @@ def _path(key: dict) -> str:
     return os.path.join(cache_dir(), f"{key['device']}-{digest}.json")
 
 
-def _enabled() -> bool:
-    return os.environ.get("SPPO_FX_PROFILE_CACHE", "on").strip().lower() not in ("off", "0", "false", "no")
-
-
 def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | None = None) -> DeviceProfile:
     """This machine's profile for `device`: stored, or calibrated now and stored.
 
@@ -89,7 +84,7 @@ def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | 
     """
     if refresh is None:
         refresh = os.environ.get("SPPO_FX_RECALIBRATE", "").strip().lower() in ("1", "true", "yes", "on")
-    use_cache = _enabled()
+    use_cache = enabled("SPPO_FX_PROFILE_CACHE")
     key = profile_key(device, dir) if use_cache else None
     path = _path(key) if use_cache else None
     if use_cache and not refresh:
@@ -125,11 +120,7 @@ def _read(path: str, key: dict) -> DeviceProfile | None:
 def _write(path: str, key: dict, profile: DeviceProfile) -> None:
     """Write atomically (another process may read or write the same file)."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".profile_", dir=os.path.dirname(path))
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "profile": profile.to_dict()}, f, indent=2)
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps({"key": key, "profile": profile.to_dict()}, indent=2).encode())
         log.info("device profile stored in %s", path)
     except OSError as e:
         log.warning("could not store the device profile in %s: %s", path, e)

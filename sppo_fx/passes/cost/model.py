@@ -8,7 +8,8 @@ import torch
 
 from sppo_fx.passes.cost.data import ChunkCost, p
 from sppo_fx.passes.cost.flops import _tensors, node_cost
-from sppo_fx.passes.cost.saved import example_inputs, saved_tensors_by_policy
+from sppo_fx.passes.cost.saved import example_inputs
+from sppo_fx.passes.cost.saved_cache import stored_saved_tensors_by_policy
 from sppo_fx.passes.cost.shapes import _input_specs, symbolic_values, traced_batch
 
 aten = torch.ops.aten
@@ -51,7 +52,8 @@ def chunk_costs(program, captured_seq=None, *, params: list[torch.Tensor] | None
                 first_chunk: bool = True, device=None, recomputes=("none",)) -> dict[str, ChunkCost]:
     """`chunk_cost` for several recompute policies at the price of one: the symbolic
     shapes and FLOPs are computed once, and each AOTAutograd trace (the example chunk, and
-    the first chunk's) is partitioned once per policy (`saved.saved_tensors_by_policy`).
+    the first chunk's) is partitioned once per policy (`saved.saved_tensors_by_policy`),
+    or read back from the memory model's cache (`saved_cache.py`).
 
     Returns:
         {policy: ChunkCost}, equal to `chunk_cost(..., recompute=policy)` for each.
@@ -60,10 +62,11 @@ def chunk_costs(program, captured_seq=None, *, params: list[torch.Tensor] | None
     batch = traced_batch(program, captured_seq)
     nodes = _node_costs(program, captured_seq, values, batch)
     kw = dict(params=params, seq=captured_seq, partition=partition, device=device, recomputes=recomputes)
-    saved_by, ex = saved_tensors_by_policy(program, values, batch, example=example, **kw)
+    saved_by, ex = stored_saved_tensors_by_policy(program, values, batch, example=example, **kw)
     # The first chunk has no prefix; attention may take another path there (the reference
     # path uses is_causal SDPA and saves no mask), so its saved set is traced on its own.
-    first_by = saved_tensors_by_policy(program, values, batch, example=(ex[0], 0), **kw)[0] if first_chunk else {}
+    first_by = (stored_saved_tensors_by_policy(program, values, batch, example=(ex[0], 0), **kw)[0]
+                if first_chunk else {})
     fwd = sympy.expand(sympy.Add(*[n.fwd_flops for n in nodes]))
     bwd = sympy.expand(sympy.Add(*[n.bwd_flops for n in nodes]))
     out = {}
