@@ -241,7 +241,7 @@ def test_window_skeleton_bytes_do_not_grow_with_the_sequence(monkeypatch):
 
 def test_window_copies_counted_where_the_window_reaches_past_the_previous_chunk():
     """`copy_rows` decides between per-chunk window copies and one full buffer."""
-    from sppo_fx.runtime.kv_window import copy_rows, window_firsts
+    from sppo_fx.skeleton_rows import copy_rows, window_firsts
 
     def rows(lengths, window):
         bounds = [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]
@@ -293,7 +293,7 @@ def windowed_skeleton():
 
 def test_predicted_skeleton_bytes_equal_the_runtime_and_stay_bounded_by_the_window(windowed_skeleton):
     """The memory model's kept skeleton equals what the runtime holds, byte for byte, in
-    each case of `kv_window.keeps_no_buffer`: chunks of W (views: nothing kept, at T = 4W
+    each case of `skeleton_rows.keeps_no_buffer`: chunks of W (views: nothing kept, at T = 4W
     and 16W alike), chunks whose windows reach two chunks back but copy fewer rows than T
     (the copies), and chunks so short that the copies would pass T (the full buffer). The
     causal control's prediction grows with T, as its measurement does."""

@@ -14,8 +14,8 @@ backward anyway (to receive dK/dV from later chunks):
   contiguous copy of those rows, private to the reading chunk and dropped with its state
   at its backward. Every chunk's backward reads its prefix again after all forwards, so
   these copies add up over the sequence; when they would reach one full-sequence buffer
-  (`copy_rows` >= T), the site keeps that buffer instead (the smaller of the two, both
-  exact). `keeps_no_buffer` decides, for the runtime and for the memory model
+  (`skeleton_rows.copy_rows` >= T), the site keeps that buffer instead (the smaller of the two, both
+  exact). `skeleton_rows.keeps_no_buffer` decides, for the runtime and for the memory model
   (solver/budget.py, windows only: document boundaries are data) alike.
 
 Either way a chunk's rows are read by no chunk whose first position read is past them,
@@ -46,41 +46,6 @@ def window_prefix(kv_of, bounds: list[tuple[int, int]], k: int, lo: int, start: 
     if lo >= start or not pieces:
         return torch.empty(empty_shape, dtype=dtype, device=device)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, -2)
-
-
-def window_first(start: int, window: int | None) -> int:
-    """The first position a chunk starting at `start` reads under a sliding window
-    (None: 0, the whole prefix)."""
-    return 0 if window is None else max(0, start - (window - 1))
-
-
-def window_firsts(bounds: list[tuple[int, int]], window: int | None) -> list[int]:
-    """`window_first` of every chunk."""
-    return [window_first(s, window) for s, _ in bounds]
-
-
-def chunk_copy_rows(bounds: list[tuple[int, int]], firsts: list[int]) -> list[int]:
-    """Per chunk: the K/V rows per buffer its prefix copies (`window_prefix`) when chunk i
-    reads from position firsts[i] on: those of a chunk whose prefix reaches back past the
-    previous chunk's start (0 otherwise)."""
-    rows = [0] * len(bounds)
-    for i in range(1, len(bounds)):
-        start, lo = bounds[i][0], firsts[i]
-        rows[i] = start - lo if lo < bounds[i - 1][0] else 0
-    return rows
-
-
-def copy_rows(bounds: list[tuple[int, int]], firsts: list[int]) -> int:
-    """K/V rows per buffer the prefixes copy over the whole sequence (`chunk_copy_rows`)."""
-    return sum(chunk_copy_rows(bounds, firsts))
-
-
-def keeps_no_buffer(bounds: list[tuple[int, int]], firsts: list[int]) -> bool:
-    """Whether a site whose chunks read from positions `firsts` on keeps no full-sequence
-    K/V buffer under these chunk bounds: its prefix copies are fewer rows than the
-    sequence. The one test the runtime (`StageRunner._prefix`) and the memory model
-    (`solver.budget`, with `window_firsts`) share."""
-    return bool(bounds) and copy_rows(bounds, firsts) < bounds[-1][1]
 
 
 def skeleton_bytes(states, buffers) -> int:

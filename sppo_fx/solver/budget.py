@@ -16,7 +16,7 @@ Memory model of one sequence on one device (bytes; chunk i has c_i tokens at sta
            layer while it frees that chunk's saved activations, so there the larger of the
            two counts, not their sum)
 
-Sliding-window sites (`runtime.kv_window`): where `kv_window.keeps_no_buffer` holds for the
+Sliding-window sites (`runtime.kv_window`): where `skeleton_rows.keeps_no_buffer` holds for the
 chunk bounds (no chunk's window copies add up to the sequence), a windowed site keeps no
 full-sequence buffer: its L1_i leaves the `sum_i L1_i` skeleton terms, and what it holds
 instead is each chunk's copy of the window rows that reach past the previous chunk (none
@@ -77,7 +77,7 @@ from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.passes import cost as cost_model
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
-from sppo_fx.runtime.kv_window import chunk_copy_rows, keeps_no_buffer, window_firsts
+from sppo_fx.skeleton_rows import chunk_copy_rows, keeps_no_buffer, window_firsts
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
 from sppo_fx.units import parse_bytes
 
