@@ -183,16 +183,6 @@ def _assert_matches(model, loss, ref, ref_grads):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
 
 
-def test_api_shows_the_offload_nodes_in_graphs(tmp_path):
-    model, x, y = _llama()
-    compiled = sppo_fx.compile(model, chunks=3, compile=False, offload="disk", offload_dir=str(tmp_path))
-    compiled(x, y).backward()
-    graphs = compiled.graphs
-    fw, bw = graphs["chunk.forward.0"], graphs["chunk.backward.0"]
-    assert "torch.ops.sppo.offload.default" in fw.code
-    assert "torch.ops.sppo.prefetch.default" in bw.code and "torch.ops.sppo.wait.default" in bw.code
-
-
 def test_offload_nodes_survive_inductor(tmp_path):
     model, x, y = _llama()
     ref, ref_grads = _eager_reference(model, x, y)
@@ -223,17 +213,23 @@ def test_offload_nodes_survive_inductor(tmp_path):
     assert all("torch.ops.sppo.accumulate_grad_mm.default" in c for c in backward)
 
 
-@pytest.mark.parametrize("policy", ["cheap", "full"])
-def test_recompute_through_the_api_is_exact(policy):
+@pytest.mark.parametrize("policy,offload", [("cheap", "disk"), ("full", None)])
+def test_recompute_through_the_api_is_exact(policy, offload, tmp_path):
+    """Each recompute policy through the API equals eager; with offload, the API's graphs
+    show the offload, prefetch and wait nodes the memory passes inserted."""
     model, x, y = _llama()
     ref, ref_grads = _eager_reference(model, x, y)
-    compiled = sppo_fx.compile(model, chunks=3, compile=False, recompute=policy)
+    kwargs = dict(offload=offload, offload_dir=str(tmp_path)) if offload else {}
+    compiled = sppo_fx.compile(model, chunks=3, compile=False, recompute=policy, **kwargs)
     loss = compiled(x, y)
     loss.backward()
     _assert_matches(model, loss, ref, ref_grads)
-    fw = compiled.graphs["chunk.forward.0"]
+    fw, bw = compiled.graphs["chunk.forward.0"], compiled.graphs["chunk.backward.0"]
     n_saved = len(next(n for n in fw.graph.nodes if n.op == "output").args[0])
     assert n_saved > 0
+    if offload:
+        assert "torch.ops.sppo.offload.default" in fw.code
+        assert "torch.ops.sppo.prefetch.default" in bw.code and "torch.ops.sppo.wait.default" in bw.code
 
 
 def test_unknown_recompute_policy_is_refused():

@@ -175,7 +175,7 @@ def test_offloaded_skeleton_matches_eager(kind, tmp_path):
                for n in compiled.graphs["chunk.forward.1"].graph.nodes if n.op == "call_function")
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["gpt", "llama"]), cuts=st.sets(st.integers(1, 63), min_size=1, max_size=4),
        quotas=st.lists(st.sampled_from([0, 2**14, None]), min_size=5, max_size=5), seed=st.integers(0, 99))
