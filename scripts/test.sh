@@ -6,6 +6,7 @@ bash scripts/setup.sh
 # Two workers (SPPO_TEST_WORKERS; 0 runs in this process) with one OpenMP thread each:
 # most of the suite is single-threaded tracing and compiling, so two workers use both cores,
 # while OpenMP threads spinning on an oversubscribed CPU would slow every worker down.
-# Test modules that start rank processes share one worker (their pytestmark xdist_group "ranks").
+# Tests that start rank processes may run beside another test; their peer timeouts allow
+# for that (pytest-xdist 3.8's loadgroup did not keep marked tests on one worker here).
 exec env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest -q \
-    -n "${SPPO_TEST_WORKERS:-2}" --dist loadgroup "$@"
+    -n "${SPPO_TEST_WORKERS:-2}" "$@"

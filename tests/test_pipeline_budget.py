@@ -21,8 +21,6 @@ from sppo_fx.benchmark.engine import BUDGET_TOLERANCE
 from sppo_fx.models import build
 from sppo_fx.runtime.launch import start_local_ranks
 
-# rank processes with peer timeouts: one such test at a time under pytest -n (scripts/test.sh)
-pytestmark = pytest.mark.xdist_group("ranks")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "pipeline_budget_worker.py")
 MiB = 2**20

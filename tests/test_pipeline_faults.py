@@ -18,8 +18,6 @@ import pytest
 
 from sppo_fx.runtime.launch import start_local_ranks
 
-# rank processes with peer timeouts: one such test at a time under pytest -n (scripts/test.sh)
-pytestmark = pytest.mark.xdist_group("ranks")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_pipeline.py")
 TIMEOUT_S = 5.0

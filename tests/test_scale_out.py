@@ -15,8 +15,6 @@ import torch
 from sppo_fx.models import build
 from sppo_fx.runtime.launch import run_local_ranks
 
-# rank processes with peer timeouts: one such test at a time under pytest -n (scripts/test.sh)
-pytestmark = pytest.mark.xdist_group("ranks")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_pipeline.py")
 

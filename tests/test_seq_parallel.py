@@ -18,8 +18,6 @@ from sppo_fx.passes.sequence_parallel import kv_repeats, shard_attention_heads
 from sppo_fx.plan import Plan, load_layout_plan
 from sppo_fx.runtime.launch import start_local_ranks
 
-# rank processes with peer timeouts: one such test at a time under pytest -n (scripts/test.sh)
-pytestmark = pytest.mark.xdist_group("ranks")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
