@@ -164,6 +164,29 @@ def test_failing_write_raises_clear_error(tmp_path, monkeypatch):
         assert store.bytes_on_device == 0 and store.bytes_offloaded == 0
 
 
+def test_a_released_handles_failed_write_does_not_fail_later_calls(tmp_path, monkeypatch):
+    """A failing step releases its handles while their writes still run (the race CI hit):
+    `settle` waits those writes out, their files are gone, and their errors stay with them."""
+    gate = threading.Event()
+
+    def broken(path, view, overwrite=False):
+        gate.wait(10)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_mod, "_write_bytes", broken)
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        h = store.offload(torch.randn(64))
+        assert h.state == "writing"
+        store.release(h)                                     # the failing step drops it
+        gate.set()                                           # ... and then its write fails
+        store.settle()
+        assert h._rec.error is not None, "the write never failed: the test would prove nothing"
+        assert os.listdir(store.dir) == []
+        monkeypatch.setattr(store_mod, "_write_bytes", lambda *a, **k: None)
+        store.offload(torch.randn(8))                        # the next step starts cleanly
+        store.synchronize()
+
+
 def test_failing_read_raises_clear_error(tmp_path, monkeypatch):
     with ActivationStore("disk", dir=str(tmp_path)) as store:
         h = store.offload(torch.randn(100))

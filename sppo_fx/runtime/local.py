@@ -316,6 +316,7 @@ class StageRunner:
                     m.skeleton.release(i)
             m.states.clear()
         if self.store is not None:
+            self.store.settle()  # copies still running: their files go now, their errors with them
             self.store.trim_read_buffers()
             self.store.drop_pooled_files()
 

@@ -169,6 +169,9 @@ class ActivationStore:
             if rec.released:
                 raise StoreError(f"{handle!r} was released; its data is gone")
         with core.lock:
+            # a released handle's data was never going to be read: its failed copy is not
+            # an error of any later call (the step that released it has failed or moved on)
+            core.failed = [r for r in core.failed if not r.released]
             unseen = [r for r in core.failed if not r.error_seen]
         if unseen:
             for r in unseen:
@@ -323,14 +326,22 @@ class ActivationStore:
 
     def synchronize(self) -> None:
         """Block until every write issued so far has completed (raises the first new error)."""
+        self.settle()
+        self._check()
+
+    def settle(self) -> None:
+        """Block until every write issued so far has finished, raising nothing.
+
+        For a failing step: once it has released its handles, this waits out their copies
+        still running, so their files are gone before the step's error reaches the caller
+        and no write of the failed step fails a later one."""
         with self._core.lock:
             pending = list(self._core.pending)
         for f in pending:
             try:
                 f.result()
-            except BaseException:  # noqa: BLE001 - surfaced by _check below
+            except BaseException:  # noqa: BLE001 - the step is failing already
                 pass
-        self._check()
 
     # -- autograd integration (see _is_leaf_or_view_of_one below)
     def saved_tensor_hooks(self, min_bytes: int = 0, keep_leaves: bool = True):
