@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 
 import pytest
 
 from sppo_fx.benchmark import plot, report
-from sppo_fx.benchmark.config import BenchConfig, build_grid, resolve_budget
+from sppo_fx.benchmark.config import BenchConfig, build_grid, min_headroom, resolve_budget
 from sppo_fx.benchmark.engine import NOISE_FLOOR_BYTES, add_ratios, with_eager_reference
 from sppo_fx.cli import main
 from sppo_fx.errors import SppoError
@@ -65,6 +66,11 @@ def test_budget_fraction_resolves_against_the_measured_eager_peak():
     assert resolve_budget("2GiB", 400 * MiB) == 2 * 2**30
     assert resolve_budget("2GiB", None) == 2 * 2**30
     assert resolve_budget("min", 400 * MiB) is None and resolve_budget(None, 1) is None
+    assert resolve_budget("min+10%", 400 * MiB) is None
+    assert (min_headroom("min"), min_headroom("min+10%"), min_headroom("25%")) == (0.0, 0.1, None)
+    for bad in ("min+", "min+10", "min+-5%", "min+x%"):
+        with pytest.raises(SppoError, match="min\\+10%"):
+            build_grid(BenchConfig(), [], {"budget": bad})
     with pytest.raises(SppoError, match="eager's measured peak"):
         resolve_budget("25%", 0)
     with pytest.raises(SppoError):
@@ -197,12 +203,13 @@ def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     """A tiny grid in worker processes: eager and checkpointing beside library rows without
     a budget, with one (recompute fixed to keep the solver quick), and the former grid's
     disk tier on two pipeline stages (local ranks), pruned with --skip. The budget row
+    (50% above the solver's minimum)
     carries the plan's predictions beside its measurements; every row's loss and
     gradients (pipeline ranks' merged) equal eager's."""
     out = tmp_path / "run"
     code = main(["bench", "--size", "tiny", "--seq-len", "64", "--steps", "1", "--anchors", "eager,checkpoint",
-                 "--chunks", "2", "--budget", "none,1GiB", "--recompute", "none", "--offload", "none,disk",
-                 "--stages", "1,2", "--skip", "offload=disk,stages=1", "--skip", "budget=1GiB,stages=2",
+                 "--chunks", "2", "--budget", "none,min+50%", "--recompute", "none", "--offload", "none,disk",
+                 "--stages", "1,2", "--skip", "offload=disk,stages=1", "--skip", "budget=min+50%,stages=2",
                  "--skip", "offload=none,stages=2", "--baseline", "checkpoint",
                  "--out", str(out), "--plot", str(tmp_path / "p.png")])
     stdout, err = capsys.readouterr()
@@ -210,14 +217,16 @@ def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     record = report.load_record(str(out))
     rows = {r["label"]: r for r in record["rows"]}
     assert list(rows) == ["eager", "checkpoint", "sppo chunks=2 recompute=none",
-                          "sppo chunks=2 recompute=none offload=disk stages=2", "sppo budget=1GiB recompute=none"]
+                          "sppo chunks=2 recompute=none offload=disk stages=2", "sppo budget=min+50% recompute=none"]
     assert record["baseline"] == "checkpoint" and rows["checkpoint"]["time_ratio"] == 1.0
     assert record["machine"]["cores"] and len(record["runs"]) == 5 and "commit" in record
     for r in rows.values():
         assert r["step_s"] > 0 and r["first_s"] > 0 and r["max_grad_diff"] < 1e-5, r
         assert abs(r["loss"] - rows["eager"]["loss"]) < 1e-4
-    budgeted = rows["sppo budget=1GiB recompute=none"]
-    assert budgeted["budget_bytes"] == 2**30 and budgeted["predicted_peak_bytes"] > 0
+    budgeted = rows["sppo budget=min+50% recompute=none"]
+    minimum = budgeted["minimum_budget_bytes"]  # the solver's, from the worker's 1-byte probe
+    assert minimum > 0 and budgeted["budget_bytes"] == math.ceil(1.5 * minimum)
+    assert 0 < budgeted["predicted_peak_bytes"] <= budgeted["budget_bytes"]
     assert budgeted["predicted_step_s"] > 0 and "time_vs_predicted" in budgeted
     # a plan the solver did not choose is predicted by the same models
     fixed = rows["sppo chunks=2 recompute=none"]

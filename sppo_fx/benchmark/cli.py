@@ -20,7 +20,7 @@ from sppo_fx.errors import SppoError
 
 AXIS_HELP = {
     "budget": "none | N%% of eager's measured peak extra memory | bytes such as 2GiB | min (the solver's "
-              "smallest feasible)",
+              "smallest feasible) | min+P%% (P%% above it: the fastest plan within that headroom)",
     "chunks": "sequence chunks, or auto (library default; the solver's choice under a budget); 0 = eager",
     "partition": "balanced | even", "recompute": "auto | none | cheap | full", "skeleton": "auto | keep | offload",
     "offload": "none | disk | host | device (under a budget, none means the library's default tier)",

@@ -39,7 +39,8 @@ class BenchConfig:
             its input; steps: timed steps after the warm-up (first) call.
         dtype / device: "fp32" | "bf16"; "cpu" | "cuda".
         budget: the budget as written: "25%" (of the eager anchor's measured peak extra
-            memory), "2GiB" (absolute), "min" (the solver's smallest feasible) or None.
+            memory), "2GiB" (absolute), "min" (the solver's smallest feasible), "min+10%" (10%
+            above it) or None.
         budget_bytes: the budget in bytes, resolved by the engine before the row runs.
         chunks: sequence chunks (None: the library's default, or the solver's choice).
         partition / recompute / skeleton / offload / stages / microbatches / schedule /
@@ -132,9 +133,27 @@ def parse_anchor(text: str) -> tuple[str, float | None]:
     return name, None
 
 
-def check_budget(text: str) -> str:
-    """Validate a budget axis value ("25%", "2GiB", "min"); returns it."""
+def min_headroom(text: str | None) -> float | None:
+    """The headroom of a "min" budget: 0.0 for "min", 0.1 for "min+10%"; None for any other
+    budget. The worker asks the solver for its smallest feasible budget and adds this much:
+    the minimum itself is often a plan of many tiny chunks whose step is far slower than a
+    plan a few percent above it (the solver then picks the fastest plan that fits)."""
     if text == "min":
+        return 0.0
+    if text is None or not text.startswith("min+"):
+        return None
+    try:
+        pct = float(text[4:-1]) if text.endswith("%") else -1.0
+    except ValueError:
+        pct = -1.0
+    if not pct > 0:
+        raise SppoError(f"budget {text!r}: headroom over the solver's minimum is written like 'min+10%'")
+    return pct / 100
+
+
+def check_budget(text: str) -> str:
+    """Validate a budget axis value ("25%", "2GiB", "min", "min+10%"); returns it."""
+    if min_headroom(text) is not None:
         return text
     if text.endswith("%"):
         try:
@@ -150,10 +169,10 @@ def check_budget(text: str) -> str:
 
 def resolve_budget(text: str | None, eager_peak_bytes: int | None) -> int | None:
     """Bytes of a budget: "25%" of `eager_peak_bytes` (eager's measured peak extra memory),
-    "2GiB" as written; None for no budget and for "min" (the worker asks the solver).
+    "2GiB" as written; None for no budget and for "min"/"min+P%" (the worker asks the solver).
 
     Raises SppoError when a fraction is asked without a measured eager peak."""
-    if text is None or text == "min":
+    if text is None or min_headroom(text) is not None:
         return None
     if text.endswith("%"):
         if not eager_peak_bytes:

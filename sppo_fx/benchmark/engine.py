@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from sppo_fx.benchmark.config import BenchConfig, resolve_budget
+from sppo_fx.benchmark.config import BenchConfig, min_headroom, resolve_budget
 from sppo_fx.errors import SppoError
 
 NOISE_FLOOR_BYTES = 4 * 2**20  # RSS moves by this much between identical runs (malloc, threads)
@@ -138,7 +138,7 @@ def run_grid(configs: list[BenchConfig], rounds: int = 1, timeout: float | None 
             for i, cfg in enumerate(configs):
                 tag = f"[round {k + 1}/{rounds}, {i + 1}/{len(configs)}] {cfg.label}"
                 try:
-                    if cfg.budget is not None and cfg.budget != "min":
+                    if cfg.budget is not None and min_headroom(cfg.budget) is None:
                         cfg = dataclasses.replace(cfg, budget_bytes=resolve_budget(cfg.budget, eager_peak.get(_group(cfg))))
                 except SppoError as e:
                     runs.append({"label": cfg.label, "round": k, "error": str(e)})
@@ -184,7 +184,7 @@ def combine_rounds(configs: list[BenchConfig], runs: list[dict]) -> list[dict]:
                    step_by_round=[r["step_s"] for r in mine], peak_by_round=[r["peak_extra_bytes"] for r in mine],
                    loss=mine[0].get("loss"), budget_bytes=mine[0].get("budget_bytes"),
                    max_grad_diff=None if any(d is None for d in diffs) else max(diffs))
-        for key in ("predicted_peak_bytes", "predicted_step_s", "plan", "gpu"):
+        for key in ("predicted_peak_bytes", "predicted_step_s", "plan", "gpu", "minimum_budget_bytes"):
             if key in mine[0]:
                 row[key] = mine[0][key]
         rows.append(row)

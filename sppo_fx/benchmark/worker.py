@@ -17,13 +17,14 @@ Measured:
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
 
 import torch
 
-from sppo_fx.benchmark.config import BenchConfig
+from sppo_fx.benchmark.config import BenchConfig, min_headroom
 from sppo_fx.errors import InfeasibleBudget
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -120,9 +121,11 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
         step = _anchor_step(cfg, model, x, y)
     else:
         budget = cfg.budget_bytes
-        if cfg.budget == "min":
-            budget = _minimum_budget(cfg, model, x, y)
-            out["budget_bytes"] = budget
+        headroom = min_headroom(cfg.budget)
+        if headroom is not None:
+            minimum = _minimum_budget(cfg, model, x, y)
+            budget = math.ceil(minimum * (1 + headroom))
+            out.update(minimum_budget_bytes=minimum, budget_bytes=budget)
         compiled = _library(cfg, model, budget)
         step = lambda: compiled.step(x, y)  # noqa: E731
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
