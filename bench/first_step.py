@@ -30,7 +30,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from sppo_fx.benchmark.worker import _rss  # noqa: E402  (the engine's RSS reader)
 
 CONFIGS = ["eager", "torch.compile", "torch.compile 2", "sppo budget", "sppo budget 2"]
 
@@ -40,9 +39,10 @@ def worker(args) -> None:
     import torch
     sys.path.insert(0, ROOT)
     import sppo_fx
+    from sppo_fx.benchmark.worker import _rss  # the engine's RSS reader
     from sppo_fx.log import enable, record_phases, summarize
     from sppo_fx.models import build
-    import_s = time.perf_counter() - t0
+    import_s = time.perf_counter() - t0  # nothing at this module's top imports torch
     enable()  # progress on stderr
     torch.manual_seed(0)
     model = build(args.model, args.size)

@@ -188,9 +188,9 @@ class SppoCompiled:
                            cache=(profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes)
                            if o.offload == "disk" else None)
         plan = budget_plan(seq_len, chosen, o.budget, o.offload)
-        log.info("plan: %d chunks, recompute %s, K/V skeleton %s, predicted peak %.1f MiB of %.1f MiB",
-                 len(plan.chunk_lengths), plan.recompute, plan.skeleton, plan.peak_bytes / 2**20,
-                 plan.budget_bytes / 2**20)
+        log.info("plan: %d chunks, recompute %s, K/V skeleton %s, predicted peak %.1f MiB of %.1f MiB, "
+                 "predicted step %.3g s", len(plan.chunk_lengths), plan.recompute, plan.skeleton,
+                 plan.peak_bytes / 2**20, plan.budget_bytes / 2**20, plan.step_seconds)
         entry.budget_plans[seq_len] = plan
         return plan
 

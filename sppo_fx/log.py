@@ -28,6 +28,7 @@ import time
 
 ROOT = "sppo_fx"
 ENV = "SPPO_FX_LOG"
+PREFIX = "[sppo_fx]"  # of every line the stderr handler prints
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
            "1": logging.INFO, "true": logging.INFO, "on": logging.INFO}
 _HANDLER_TAG = "_sppo_fx_handler"
@@ -55,7 +56,7 @@ def enable(level: int | str = logging.INFO, stream=None) -> logging.Logger:
                 h.setStream(stream)
             return root
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(logging.Formatter("[sppo_fx] %(message)s"))
+    handler.setFormatter(logging.Formatter(PREFIX + " %(message)s"))
     setattr(handler, _HANDLER_TAG, True)
     root.addHandler(handler)
     root.propagate = False  # an application's root handler would print each line twice

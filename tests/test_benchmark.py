@@ -255,3 +255,19 @@ def test_memory_script_names_map_to_engine_rows():
     assert all(r.seq_len == 4096 for r in rows)
     with pytest.raises(SppoError, match="sppo-N%"):
         mod.config_for("sppo-lots", base, args)
+
+
+def test_a_timed_out_row_says_which_plan_it_was_running():
+    """The worker logs its phases; a row that runs out of time reports its plan (with the
+    predicted step) and its last progress line instead of a bare timeout."""
+    from sppo_fx.benchmark.engine import _timed_out
+    stderr = ("[sppo_fx] capturing the model (torch.export): 3.8 s\nsome warning\n"
+              "[sppo_fx] plan: 256 chunks, recompute cheap, K/V skeleton offload, predicted peak 515.2 MiB of "
+              "515.2 MiB, predicted step 4.53e+03 s\n[sppo_fx] compiling chunk program #2 (Inductor)… 40 s\n")
+    err = _timed_out(1800, stderr.encode())["error"]
+    assert err == ("timed out after 1800 s (plan: 256 chunks, recompute cheap, K/V skeleton offload, predicted "
+                   "peak 515.2 MiB of 515.2 MiB, predicted step 4.53e+03 s; compiling chunk program #2 "
+                   "(Inductor)… 40 s)")
+    assert _timed_out(5, None)["error"] == "timed out after 5 s"
+    last = "[sppo_fx] plan: 2 chunks, predicted step 1 s\n"
+    assert _timed_out(5, last)["error"] == "timed out after 5 s (plan: 2 chunks, predicted step 1 s)"

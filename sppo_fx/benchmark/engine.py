@@ -29,6 +29,8 @@ import time
 
 from sppo_fx.benchmark.config import BenchConfig, min_headroom, resolve_budget
 from sppo_fx.errors import SppoError
+from sppo_fx.log import ENV as LOG_ENV
+from sppo_fx.log import PREFIX as LOG_PREFIX
 
 NOISE_FLOOR_BYTES = 4 * 2**20  # RSS moves by this much between identical runs (malloc, threads)
 NOISE_FLOOR_S = 1e-3
@@ -52,6 +54,18 @@ def _error_line(stderr: str) -> str:
     return lines[-1] if lines else ""
 
 
+def _timed_out(timeout: float, stderr) -> dict:
+    """The error of a row that ran out of time, with the plan it was running and its last
+    progress line (the worker logs its phases): a timeout then says why."""
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    lines = [ln.strip() for ln in (stderr or "").splitlines() if ln.startswith(LOG_PREFIX)]
+    plan = next((ln for ln in reversed(lines) if ln.startswith(f"{LOG_PREFIX} plan:")), None)
+    said = [ln[len(LOG_PREFIX):].strip() for ln in (plan, lines[-1] if lines else None) if ln]
+    detail = "; ".join(dict.fromkeys(said))  # the plan line may be the last line too
+    return {"error": f"timed out after {timeout:g} s" + (f" ({detail})" if detail else "")}
+
+
 def run_row(cfg: BenchConfig, grads_out: str | None, timeout: float | None = None) -> dict:
     """Run one row in fresh process(es); its measurements or {"error": ...}."""
     cmd = [sys.executable, "-m", "sppo_fx.benchmark.worker", json.dumps(cfg.to_dict())] + (
@@ -60,11 +74,12 @@ def run_row(cfg: BenchConfig, grads_out: str | None, timeout: float | None = Non
     # follows live tensors (its dynamic threshold would keep freed gradients resident).
     malloc = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     env = dict(os.environ, **malloc)
+    env.setdefault(LOG_ENV, "info")  # its progress lines: what a timed-out row was doing
     if cfg.is_anchor or cfg.stages == 1:
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:g} s"}
+        except subprocess.TimeoutExpired as e:
+            return _timed_out(timeout, e.stderr)
         if res.returncode:
             return {"error": _error_line(res.stderr) or f"exit code {res.returncode}"}
         return json.loads(res.stdout.strip().splitlines()[-1])
