@@ -79,3 +79,23 @@ def test_budget_phases_logged_at_info_and_profile_stored(caplog, tmp_path, monke
     monkeypatch.setenv("SPPO_FX_RECALIBRATE", "1")
     sppo_fx.compile(model, budget="64MiB", compile=False)(x, x).backward()
     assert "calibrating the device profile" in caplog.text
+
+
+def test_a_calibration_on_a_busy_cpu_is_flagged(caplog, tmp_path, monkeypatch):
+    """A profile calibrated while other processes ran is slow for as long as it is stored:
+    the calibration says the load it ran under and warns how to refresh it."""
+    import dataclasses
+
+    from sppo_fx.solver import profile_cache
+    from sppo_fx.solver.profiles import get_profile
+    monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profile_cache, "calibrate",
+                        lambda *a, **k: dataclasses.replace(get_profile("h200"), source="measured"))
+    monkeypatch.setattr(profile_cache.os, "cpu_count", lambda: 2)
+    caplog.set_level(logging.INFO, logger="sppo_fx")
+    for load, busy in ((3.1, True), (0.2, False)):
+        caplog.clear()
+        monkeypatch.setattr(profile_cache, "_load_average", lambda load=load: load)
+        profile = profile_cache.device_profile("cpu", refresh=True)
+        assert f"load average {load:.1f} on 2 cores" in profile.source
+        assert ("on an idle machine with SPPO_FX_RECALIBRATE=1" in caplog.text) is busy, caplog.text

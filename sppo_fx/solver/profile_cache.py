@@ -29,6 +29,7 @@ from sppo_fx.solver.profiles import DeviceProfile, calibrate
 
 log = get_logger(__name__)
 CALIBRATE_SECONDS = 1.0
+BUSY_LOAD_PER_CORE = 0.5  # a load average above half the cores: others compete for them
 
 
 def cache_dir() -> str:
@@ -92,11 +93,30 @@ def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | 
         if stored is not None:
             log.info("device profile: stored calibration %s (SPPO_FX_RECALIBRATE=1 measures again)", path)
             return stored
+    load = _load_average()
     with phase(f"calibrating the device profile ({device}, {CALIBRATE_SECONDS:g} s of matmuls, copies, disk)", log):
         profile = calibrate(device, seconds=CALIBRATE_SECONDS, dir=dir)
+    cores = os.cpu_count() or 1
+    if load is not None:
+        profile.source = f"{profile.source}; load average {load:.1f} on {cores} cores before calibrating"
+    if load is not None and str(device).startswith("cpu") and load >= BUSY_LOAD_PER_CORE * cores:
+        # the figures are what a shared CPU does now (profiles.calibrate): they outlive the
+        # load, so say so where the user looks when predicted step times are far off
+        log.warning("calibrated the device profile while the machine was busy (load average %.1f on %d cores): "
+                    "its FLOP rate is low and step-time predictions will be too slow; refresh it on an idle "
+                    "machine with SPPO_FX_RECALIBRATE=1", load, cores)
     if use_cache:
         _write(path, key, profile)
     return profile
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (other processes' demand for the cores), None where the
+    OS does not report it."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def _read(path: str, key: dict) -> DeviceProfile | None:
