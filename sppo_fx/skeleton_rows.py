@@ -39,3 +39,28 @@ def keeps_no_buffer(bounds: list[tuple[int, int]], firsts: list[int]) -> bool:
     sequence. The one test the runtime (`StageRunner._prefix`) and the memory model
     (`solver.budget`, with `window_firsts`) share."""
     return bool(bounds) and copy_rows(bounds, firsts) < bounds[-1][1]
+
+
+# ---- the streamed skeleton (skeleton="offload", runtime/skeleton.py) --------------------
+
+def kept_first(start: int, end: int, window: int | None) -> int:
+    """The first K/V row of chunk [start, end) that a later chunk reads: with a window of W,
+    the next chunk's window reaches back W-1 positions (end when W = 1: nothing is read),
+    so the streamed skeleton stores only rows kept_first..end-1."""
+    return start if window is None else max(start, end - (window - 1))
+
+
+def blocks_read(bounds: list[tuple[int, int]], i: int, window: int | None) -> list[int]:
+    """The earlier chunks whose K/V chunk i reads: those ending after its window's first
+    position (every earlier chunk without a window)."""
+    first = window_first(bounds[i][0], window)
+    return [j for j in range(i) if bounds[j][1] > first]
+
+
+def last_reader(bounds: list[tuple[int, int]], j: int, window: int | None) -> int:
+    """The last chunk whose window reaches chunk j's K/V (j itself when none does)."""
+    last = j
+    for i in range(j + 1, len(bounds)):
+        if bounds[j][1] > window_first(bounds[i][0], window):
+            last = i
+    return last

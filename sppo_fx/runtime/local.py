@@ -201,7 +201,9 @@ class StageRunner:
         if self.skeleton == "offload":
             if mb.skeleton is None:
                 from sppo_fx.runtime.skeleton import KVSkeleton
-                mb.skeleton = KVSkeleton(self.store, offload=self.needs_grad, num_chunks=self.plan.num_chunks)
+                mb.skeleton = KVSkeleton(self.store, offload=self.needs_grad, num_chunks=self.plan.num_chunks,
+                                         bounds=self.plan.bounds(), backward=self.needs_grad,
+                                         windows=[site.window for site in self.program.attention])
             out = []
             for site in self.program.attention:
                 for shape in (site.k_shape, site.v_shape):
