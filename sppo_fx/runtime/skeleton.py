@@ -110,19 +110,19 @@ class KVSkeleton:
         first = kept_first(start, end, window)
         if first > start:  # rows no later window reaches are not kept (a copy: x's storage goes)
             x = x[..., first - start:, :].clone()
+        self._expire(slot, chunk)  # this chunk's forward has read its blocks
         self.first_row[(slot, chunk)] = first
         self.nbytes[(slot, chunk)] = x.numel() * x.element_size()
         self.blocks[(slot, chunk)] = self.store.offload(x, keep=True) if self.offload else x
         self.bytes_held += self.nbytes[(slot, chunk)]
         self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
-        self._expire(slot, chunk)
 
     def _expire(self, slot: int, chunk: int) -> None:
         """Without a backward: drop the blocks of `slot` whose last reader was `chunk`."""
         window = self.window(slot // 2)
         if self.backward or window is None or self.bounds is None:
             return
-        for j in range(chunk + 1):
+        for j in range(chunk):
             if (slot, j) in self.blocks and last_reader(self.bounds, j, window) <= chunk:
                 self._drop(slot, j)
 
