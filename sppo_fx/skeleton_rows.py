@@ -1,6 +1,6 @@
 """Which K/V prefix rows each chunk reads, and whether a site keeps a full-sequence K/V
 buffer: plain arithmetic on a chunk plan's bounds, shared by the runtime
-(`runtime/kv_window.py`, `runtime/local.py`) and the memory model (`solver/budget.py`), so
+(`runtime/kv_window.py`, `runtime/local.py`, `runtime/skeleton.py`) and the memory model (`solver/budget.py`), so
 that what is predicted and what is kept are decided by one rule. It sits below both (it
 imports nothing from sppo_fx)."""
 from __future__ import annotations

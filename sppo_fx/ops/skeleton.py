@@ -19,6 +19,9 @@ log-sum-exp.
       hv_out = sppo.kv_out(v, 2s+1)                      #  dK_i, dV_i summed over later chunks
       return ..., hk_out, hv_out   # empty handles
 
+A sliding-window site (`window=W`) streams only the blocks that reach into the chunk's
+window, each holding the rows later windows read (`sppo_fx.ops.skeleton_window`).
+
 `hk`, `hv` (the prefix placeholders) and `hk_out`, `hv_out` are *empty handles* of
 shape (*x.shape, 0): they carry shapes (the prefix length p) and autograd edges, never
 data. The runtime state is the active `ChunkMemory` (`sppo_fx.ops.offload.active_memory`),
