@@ -50,17 +50,25 @@ def kept_first(start: int, end: int, window: int | None) -> int:
     return start if window is None else max(start, end - (window - 1))
 
 
-def blocks_read(bounds: list[tuple[int, int]], i: int, window: int | None) -> list[int]:
-    """The earlier chunks whose K/V chunk i reads: those ending after its window's first
-    position (every earlier chunk without a window)."""
-    first = window_first(bounds[i][0], window)
+def stored_first(bounds: list[tuple[int, int]], firsts: list[int], j: int) -> int:
+    """`kept_first` for any first positions read (`firsts`, per chunk, nondecreasing: a
+    window's `window_firsts`, or a packed document's start): the next chunk reads the most."""
+    start, end = bounds[j]
+    return min(end, max(start, firsts[j + 1])) if j + 1 < len(bounds) else end
+
+
+def blocks_read(bounds: list[tuple[int, int]], i: int, window: int | None, firsts: list[int] | None = None
+                ) -> list[int]:
+    """The earlier chunks whose K/V chunk i reads: those ending after the first position it
+    reads (its window's, or `firsts[i]`; every earlier chunk without either)."""
+    first = window_first(bounds[i][0], window) if firsts is None else firsts[i]
     return [j for j in range(i) if bounds[j][1] > first]
 
 
-def last_reader(bounds: list[tuple[int, int]], j: int, window: int | None) -> int:
-    """The last chunk whose window reaches chunk j's K/V (j itself when none does)."""
+def last_reader(bounds: list[tuple[int, int]], j: int, firsts: list[int]) -> int:
+    """The last chunk whose reads (from `firsts` on) reach chunk j's K/V (j when none does)."""
     last = j
     for i in range(j + 1, len(bounds)):
-        if bounds[j][1] > window_first(bounds[i][0], window):
+        if bounds[j][1] > firsts[i]:
             last = i
     return last

@@ -1,6 +1,7 @@
 """The streamed prefix attention of a sliding-window site (`sppo.prefix_attention` with
 `window=W`, sppo_fx/ops/skeleton.py): query row r of a chunk starting at `start` sees the
-keys at positions start+r-W+1 .. start+r.
+keys at positions start+r-W+1 .. start+r; inside packed documents (`doc_pos`, each query's
+position in its document) only those back to its document's start, every part masked.
 
 The skeleton streams only the blocks that reach into the chunk's window
 (`runtime.skeleton.BlockStream`, rows from `skeleton_rows.kept_first` on). Each part is
@@ -36,11 +37,17 @@ def merge(out, lse, o_j, lse_j):
     return out, new
 
 
-def band(rows: int, keys: int, offset: int, window: int, device) -> torch.Tensor:
-    """[rows, keys] bool: row r sees key x iff 0 <= offset + r - x < window (offset: the
-    rows' first position minus the keys' first position)."""
+def visible(rows: int, keys: int, offset: int, window, doc_pos, device) -> torch.Tensor:
+    """Row r sees key x iff 0 <= offset + r - x (< window) (<= doc_pos[b, r]); offset: the
+    rows' first position minus the keys' first position. [rows, keys] bool, or
+    [b, 1, 1, rows, keys] with `doc_pos` (against scores [b, h_kv, g, rows, keys])."""
     dist = (torch.arange(rows, device=device) + offset).unsqueeze(-1) - torch.arange(keys, device=device)
-    return (dist >= 0) & (dist < window)
+    seen = dist >= 0
+    if window is not None:
+        seen = seen & (dist < window)
+    if doc_pos is not None:
+        seen = (seen & (dist <= doc_pos.to(device).unsqueeze(-1)))[:, None, None]
+    return seen
 
 
 def _scores(q, k, scale):
@@ -80,7 +87,7 @@ def masked_backward(dout, q, k, v, out, lse, scale, mask):
     return dq.reshape(b, h, c, d), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _stream_parts(blocks, start: int, c: int, window: int):
+def _stream_parts(blocks, start: int, c: int, window, doc_pos):
     """(chunk j, first position, whether every row sees the whole block) per streamed block,
     after checking that the stream is the one this window needs."""
     if getattr(blocks, "window", window) != window or getattr(blocks, "start", None) not in (None, start):
@@ -91,44 +98,47 @@ def _stream_parts(blocks, start: int, c: int, window: int):
     if positions is None or None in positions:
         raise SppoError("sppo.prefix_attention: a sliding-window site needs the skeleton's block positions "
                         "(runtime.skeleton.KVSkeleton with the chunk bounds)")
-    return [(j, pos, pos >= start + c - window) for j, pos in zip(blocks.index, positions)]
+    return [(j, pos, doc_pos is None and pos >= start + c - window) for j, pos in zip(blocks.index, positions)]
 
 
-def windowed_forward(q, k, v, start: int, blocks, scale: float, window: int):
-    """(out, lse) of a windowed chunk at `start` over its streamed blocks and its own k, v."""
+def windowed_forward(q, k, v, start: int, blocks, scale: float, window, doc_pos=None):
+    """(out, lse) of a windowed (or packed-document) chunk at `start` over its streamed
+    blocks and its own k, v."""
     from sppo_fx.ops.chunk_attention import chunk_attention_with_lse
     c = q.shape[-2]
-    parts = _stream_parts(blocks, start, c, window)
-    if c <= window:
+    parts = _stream_parts(blocks, start, c, window, doc_pos)
+    if doc_pos is None and c <= window:
         out, lse = chunk_attention_with_lse(q, k, v, scale, causal=True)
         out = out.to(acc_dtype(q.dtype))
     else:
-        out, lse = masked_forward(q, k, v, scale, band(c, c, 0, window, q.device))
+        out, lse = masked_forward(q, k, v, scale, visible(c, c, 0, window, doc_pos, q.device))
     for (j, pos, whole), (k_j, v_j) in zip(parts, blocks):
         if whole:
             o_j, lse_j = chunk_attention_with_lse(q, k_j, v_j, scale, causal=False)
         else:
-            o_j, lse_j = masked_forward(q, k_j, v_j, scale, band(c, k_j.shape[-2], start - pos, window, q.device))
+            mask = visible(c, k_j.shape[-2], start - pos, window, doc_pos, q.device)
+            o_j, lse_j = masked_forward(q, k_j, v_j, scale, mask)
         out, lse = merge(out, lse, o_j, lse_j)
         del k_j, v_j, o_j  # before the stream reads the block after next
     return out, lse
 
 
-def windowed_backward(dout, q, k, v, out, lse, start: int, blocks, memory, site: int, scale: float, window: int):
+def windowed_backward(dout, q, k, v, out, lse, start: int, blocks, memory, site: int, scale: float, window,
+                      doc_pos=None):
     """(dq, dk, dv) of `windowed_forward`; each block's dK, dV go to `memory.kv_add_grad`."""
     bwd = torch.ops.sppo_fx.chunk_attention_bwd
     c = q.shape[-2]
-    parts = _stream_parts(blocks, start, c, window)
-    if c <= window:
+    parts = _stream_parts(blocks, start, c, window, doc_pos)
+    if doc_pos is None and c <= window:
         dq, dk, dv = bwd(dout, q, k, v, out, lse, None, scale, True)
         dq = dq.to(acc_dtype(q.dtype))
     else:
-        dq, dk, dv = masked_backward(dout, q, k, v, out, lse, scale, band(c, c, 0, window, q.device))
+        dq, dk, dv = masked_backward(dout, q, k, v, out, lse, scale, visible(c, c, 0, window, doc_pos, q.device))
     for (j, pos, whole), (k_j, v_j) in zip(parts, blocks):
         if whole:
             dq_j, dk_j, dv_j = bwd(dout, q, k_j, v_j, out, lse, None, scale, False)
         else:
-            mask = band(c, k_j.shape[-2], start - pos, window, q.device)
+            mask = visible(c, k_j.shape[-2], start - pos, window, doc_pos, q.device)
             dq_j, dk_j, dv_j = masked_backward(dout, q, k_j, v_j, out, lse, scale, mask)
         dq += dq_j
         memory.kv_add_grad(site, j, dk_j, dv_j)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from sppo_fx.skeleton_rows import blocks_read, kept_first, last_reader
+from sppo_fx.skeleton_rows import blocks_read, last_reader, stored_first, window_firsts
 
 
 class BlockStream:
@@ -49,7 +49,8 @@ class BlockStream:
         if bounds is None:
             self.index, self.start = list(range(chunk)), None
         else:
-            self.index, self.start = blocks_read(bounds, chunk, self.window), bounds[chunk][0]
+            self.index = blocks_read(bounds, chunk, None, skeleton.firsts(site))
+            self.start = bounds[chunk][0]
         self.positions = [skeleton.first_row.get((2 * site, j)) for j in self.index]
 
     def __len__(self) -> int:
@@ -74,6 +75,8 @@ class KVSkeleton:
         num_chunks: chunks of the micro-batch (the last one's K/V is not stored).
         bounds: (start, end) of every chunk (needed with windows).
         windows: per attention site, its sliding window W or None.
+        first_read: per attention site, the first position each chunk reads (packed
+            documents: `StageRunner._prefix_starts`); default: from the site's window.
         backward: a backward follows (blocks stay until it has read them); False for
             evaluation, where a windowed block goes after its last forward reader.
 
@@ -84,9 +87,10 @@ class KVSkeleton:
 
     def __init__(self, store=None, offload: bool = False, num_chunks: int | None = None,
                  bounds: list[tuple[int, int]] | None = None, windows: list | None = None,
-                 backward: bool = True):
+                 first_read: list | None = None, backward: bool = True):
         self.store, self.offload, self.num_chunks = store, offload and store is not None, num_chunks
         self.bounds, self.windows, self.backward = bounds, list(windows or []), backward
+        self.first_read = first_read
         if bounds is not None and num_chunks is None:
             self.num_chunks = len(bounds)
         self.blocks: dict[tuple[int, int], object] = {}   # (slot, chunk) -> tensor | Handle
@@ -98,16 +102,23 @@ class KVSkeleton:
     def window(self, site: int) -> int | None:
         return self.windows[site] if site < len(self.windows) else None
 
+    def firsts(self, site: int) -> list[int]:
+        """The first position each chunk reads of site `site`'s K/V."""
+        if self.first_read is not None and self.first_read[site] is not None:
+            return self.first_read[site]
+        return window_firsts(self.bounds, self.window(site))
+
     def put(self, slot: int, chunk: int, x: torch.Tensor) -> None:
         """Chunk `chunk`'s K (slot 2s) or V (2s + 1) of site s, after its forward."""
         if self.num_chunks is not None and chunk == self.num_chunks - 1:
             self._expire(slot, chunk)
             return  # never a prefix
-        window = self.window(slot // 2)
-        if window is not None and self.bounds is None:
-            raise ValueError("KVSkeleton: a windowed site needs the chunk bounds")
-        start, end = self.bounds[chunk] if self.bounds is not None else (0, x.shape[-2])
-        first = kept_first(start, end, window)
+        if self.bounds is None:
+            if self.window(slot // 2) is not None or self.first_read is not None:
+                raise ValueError("KVSkeleton: a windowed or document site needs the chunk bounds")
+            start = first = 0
+        else:
+            start, first = self.bounds[chunk][0], stored_first(self.bounds, self.firsts(slot // 2), chunk)
         if first > start:  # rows no later window reaches are not kept (a copy: x's storage goes)
             x = x[..., first - start:, :].clone()
         self._expire(slot, chunk)  # this chunk's forward has read its blocks
@@ -119,11 +130,11 @@ class KVSkeleton:
 
     def _expire(self, slot: int, chunk: int) -> None:
         """Without a backward: drop the blocks of `slot` whose last reader was `chunk`."""
-        window = self.window(slot // 2)
-        if self.backward or window is None or self.bounds is None:
+        if self.backward or self.bounds is None:
             return
+        firsts = self.firsts(slot // 2)
         for j in range(chunk):
-            if (slot, j) in self.blocks and last_reader(self.bounds, j, window) <= chunk:
+            if (slot, j) in self.blocks and last_reader(self.bounds, j, firsts) <= chunk:
                 self._drop(slot, j)
 
     def _drop(self, slot: int, j: int) -> None:

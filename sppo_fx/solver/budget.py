@@ -199,7 +199,8 @@ def streamed_skeleton(mem: MemoryModel, lengths: list[int]):
     stored block (a windowed site's chunk stores only the rows later windows read,
     `skeleton_rows.kept_first`), the bytes it reads back in forward (and again in backward:
     the blocks that reach into its window, `skeleton_rows.blocks_read`), and the dK/dV
-    accumulators alive at its backward (of those same blocks)."""
+    accumulators alive at its backward (of those same blocks). A packed-document site counts
+    as causal (its documents are data: an upper bound of what the runtime stores and reads)."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     bounds = [(t, t + c) for c, t in zip(lengths, starts)]
     n = len(lengths)
