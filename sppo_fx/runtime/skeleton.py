@@ -17,13 +17,18 @@ in backward. With `skeleton="offload"` the chunk programs get them through the o
 So the device holds one site's block or two at a time instead of the whole skeleton. The
 last chunk's K/V is never a prefix: it is not stored at all.
 
-Sliding-window sites (window W, `skeleton_rows`): a block holds only the rows later
-windows reach (the chunk's last W-1, `kept_first`), chunk i streams only the blocks that
-end inside its window (`blocks_read`), and a block's gradient covers its stored rows
-(`take_grad` pads it to the chunk with zeros: earlier rows are read by no one). Without a
-backward (evaluation) a block goes as soon as the last window reaching it has run
-(`last_reader`); with one, after the backward of chunk j+1, its last reader there. The
-bytes stored per chunk and read per chunk are then bounded by W, not by T.
+Sliding-window and packed-document sites (`skeleton_rows`): chunk i reads from a first
+position on (its window's, `window_firsts`, or its first token's document's, given as
+`first_read`), so a block holds only the rows the next chunk reads (the chunk's last W-1
+for a window, `stored_first`), chunk i streams only the blocks that end after its first
+position (`blocks_read`), and a block's gradient covers its stored rows (`take_grad` pads
+it to the chunk with zeros: earlier rows are read by no one). Without a backward
+(evaluation) a block goes as soon as the last chunk reaching it has run (`last_reader`);
+with one, after the backward of chunk j+1, its last reader there. For a window the bytes
+stored per chunk and read per chunk are then bounded by W, not by T.
+
+The block of chunk j waits for chunk j+1's backward in training, so the tier holds a block
+of every chunk at the turn from forward to backward: bounded per chunk, not in total.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ class BlockStream:
     them back one at a time with the next one prefetched.
 
     Attributes:
-        index: the chunks j whose blocks stream (every earlier chunk without a window).
+        index: the chunks j whose blocks stream (every earlier chunk of a causal site).
         positions: the absolute position of each block's first stored row.
         start: the reading chunk's first position; window: the site's window (or None).
     """
