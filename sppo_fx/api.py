@@ -175,12 +175,8 @@ class SppoCompiled:
         profile = self.profile or device_profile(device, dir=o.offload_dir)
         self.profile = profile
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
-        # the skeleton can only leave the device for a tier; streaming does not skip a
-        # sliding window's expired K/V (nor earlier documents) yet: passes/skeleton.py refuses both
-        windowed = any(site.window is not None or site.documents for site in entry.program.attention)
+        # the skeleton can only leave the device for a tier
         skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
-        if windowed and o.skeleton == "auto":
-            skeletons = ("keep",)
         with phase(f"solving the budget for {seq_len} tokens", log):
             chosen = solve(entry.cost, [entry.memory[r] for r in policies], seq_len, o.budget,
                            rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half,

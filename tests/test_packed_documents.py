@@ -319,13 +319,45 @@ def test_skeleton_keeps_no_finished_documents(monkeypatch):
 
 # ---------------------------------------------------------------- the streamed skeleton
 
-def test_documents_refuse_the_streamed_skeleton_before_any_step():
-    model = DocModel(layers=1)
-    ids = torch.randint(0, 101, (1, 24))
-    compiled = sppo_fx.compile(model, chunks=4, offload="disk", skeleton="offload", compile=False)
-    with pytest.raises(SppoError, match="packed documents"):
-        compiled(ids, _doc_ids([[10, 14]]), ids)
-    assert all(p.grad is None for p in model.parameters())
+@pytest.mark.parametrize("window", [None, 5])
+def test_streamed_skeleton_reads_only_the_documents_a_chunk_sees(window, tmp_path, monkeypatch):
+    """skeleton="offload": exact, and each chunk streams back only the rows from its first
+    token's document on (as `test_chunks_skip_the_documents_that_ended_before_them` reads
+    them from the kept skeleton: 0, 7, 19, 11 rows; fewer with a window of 5), a block
+    stores only the rows a later chunk reads, and documents that each fit a chunk are
+    neither stored nor read."""
+    from sppo_fx.runtime.local import StageRunner
+    reads, peaks = [], []
+    forward, finish = StageRunner.forward, StageRunner.finish_forward
+
+    def recording_forward(self, mb, i, recvs=()):
+        m = self.microbatches[mb]
+        before = m.skeleton.bytes_read if m.skeleton is not None else 0
+        sends = forward(self, mb, i, recvs)
+        reads.append(m.skeleton.bytes_read - before)
+        return sends
+
+    def recording_finish(self, mb):
+        peaks.append(self.microbatches[mb].skeleton.peak_bytes_held)
+        return finish(self, mb)
+
+    monkeypatch.setattr(StageRunner, "forward", recording_forward)
+    monkeypatch.setattr(StageRunner, "finish_forward", recording_finish)
+    torch.manual_seed(5)
+    model = DocModel(layers=1, window=window)
+    compiled = sppo_fx.compile(model, chunk_lengths=[12] * 4, compile=False, offload="disk", skeleton="offload",
+                               offload_dir=str(tmp_path))
+    row = 2 * 2 * 4 * 8 * 4  # K and V of one position: batch 2, 4 heads, head dim 8, float32
+    for rows, expected_reads, expected_stored in [
+            (LENGTHS, [0, 7, 19, 11] if window is None else [0, 4, 4, 4], [7, 12, 11] if window is None else [4] * 3),
+            ([[6] * 8] * 2, [0] * 4, [0] * 3)]:
+        reads.clear()
+        ids, doc = torch.randint(0, 101, (2, 48)), _doc_ids(rows)
+        assert_matches_eager(model, lambda m: m(ids, doc, ids), lambda: compiled(ids, doc, ids))
+        assert reads == [r * row for r in expected_reads]
+        assert peaks[-1] == sum(expected_stored) * row
+    assert [(s.window, bool(s.documents)) for s in compiled.program.attention] == [(window, True)]
+    assert compiled.store.bytes_offloaded == 0
 
 
 # ---------------------------------------------------------------- pipeline stages

@@ -179,15 +179,6 @@ def test_mistral_window_compiled_by_inductor():
     assert "window" in compiled.graphs["chunk"].code
 
 
-def test_windowed_sites_refuse_the_streamed_skeleton_before_any_step():
-    model = _family("mistral", window=8, layers=1)
-    ids = torch.randint(0, 101, (1, 32))
-    compiled = sppo_fx.compile(model, chunks=4, offload="disk", skeleton="offload", compile=False)
-    with pytest.raises(SppoError, match="sliding-window"):
-        compiled(input_ids=ids, labels=ids)
-    assert all(p.grad is None for p in model.parameters())
-
-
 def test_window_prefix_and_its_gradients_stay_within_the_window(monkeypatch):
     """Each chunk reads (and sends gradients to) only the last W-1 earlier positions."""
     from sppo_fx.runtime.local import StageRunner

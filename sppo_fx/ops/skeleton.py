@@ -19,6 +19,10 @@ log-sum-exp.
       hv_out = sppo.kv_out(v, 2s+1)                      #  dK_i, dV_i summed over later chunks
       return ..., hk_out, hv_out   # empty handles
 
+A sliding-window site (`window=W`) streams only the blocks that reach into the chunk's
+window, each holding the rows later windows read, and a packed-document site (`doc_pos`)
+only those of the documents the chunk sees (`sppo_fx.ops.skeleton_window`).
+
 `hk`, `hv` (the prefix placeholders) and `hk_out`, `hv_out` are *empty handles* of
 shape (*x.shape, 0): they carry shapes (the prefix length p) and autograd edges, never
 data. The runtime state is the active `ChunkMemory` (`sppo_fx.ops.offload.active_memory`),
@@ -26,32 +30,32 @@ which knows the chunk index and the micro-batch's skeleton.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from sppo_fx.errors import SppoError
 from sppo_fx.ops.chunk_attention import bshd_empty_like
 from sppo_fx.ops.offload import _handle_like, _memory
-
-
-def _merge(out, lse, o_j, lse_j):
-    """Log-sum-exp merge of two partial attentions over disjoint key sets (fp32 `out`)."""
-    new = torch.logaddexp(lse, lse_j)
-    out = out * torch.exp(lse - new).unsqueeze(-1) + o_j.to(out.dtype) * torch.exp(lse_j - new).unsqueeze(-1)
-    return out, new
-
-
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from sppo_fx.ops.skeleton_window import acc_dtype as _acc_dtype
+from sppo_fx.ops.skeleton_window import merge as _merge
+from sppo_fx.ops.skeleton_window import windowed_backward, windowed_forward
 
 
 @torch.library.custom_op("sppo::prefix_attention", mutates_args=())
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix: torch.Tensor,
-                     v_prefix: torch.Tensor, site: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     v_prefix: torch.Tensor, site: int, scale: float, window: Optional[int] = None,
+                     doc_pos: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the chunk's queries over the skeleton's blocks of site `site`
-    (every earlier chunk, streamed in one at a time) and the chunk's own k, v."""
+    (every earlier chunk, streamed in one at a time; with a sliding `window`, only those
+    that reach into it; inside packed documents, `doc_pos`, those of the documents it sees)
+    and the chunk's own k, v."""
     from sppo_fx.ops.chunk_attention import chunk_attention_with_lse
-    out, lse = chunk_attention_with_lse(q, k, v, scale, causal=True)
     blocks = _memory("prefix_attention").kv_blocks(site)
+    if window is not None or doc_pos is not None:
+        out, lse = windowed_forward(q, k, v, k_prefix.shape[2], blocks, scale, window, doc_pos)
+        return _into(bshd_empty_like(q), out), lse.contiguous()
+    out, lse = chunk_attention_with_lse(q, k, v, scale, causal=True)
     if blocks:
         acc = out.to(_acc_dtype(q.dtype))
         for k_j, v_j in blocks:
@@ -71,7 +75,7 @@ def _into(empty: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 @prefix_attention.register_fake
-def _(q, k, v, k_prefix, v_prefix, site, scale):
+def _(q, k, v, k_prefix, v_prefix, site, scale, window=None, doc_pos=None):
     # SDPA's output layout ([b, c, h, d] memory): the captured graph's views after attention
     return bshd_empty_like(q), q.new_empty(q.shape[:-1], dtype=_acc_dtype(q.dtype))
 
@@ -79,7 +83,8 @@ def _(q, k, v, k_prefix, v_prefix, site, scale):
 @torch.library.custom_op("sppo::prefix_attention_bwd", mutates_args=())
 def prefix_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
-                         site: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         site: int, scale: float, window: Optional[int] = None,
+                         doc_pos: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `prefix_attention` for q and the chunk's own k, v; the blocks'
     gradients go to the skeleton's accumulators.
 
@@ -88,8 +93,12 @@ def prefix_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     streamed in again one at a time."""
     bwd = torch.ops.sppo_fx.chunk_attention_bwd
     memory = _memory("prefix_attention_bwd")
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, None, scale, True)
     blocks = memory.kv_blocks(site)
+    if window is not None or doc_pos is not None:
+        dq, dk, dv = windowed_backward(dout, q, k, v, out, lse, k_prefix.shape[2], blocks, memory, site, scale,
+                                        window, doc_pos)
+        return _into(torch.empty_like(q), dq), _into(torch.empty_like(k), dk), _into(torch.empty_like(v), dv)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, None, scale, True)
     if blocks:
         dq = dq.to(_acc_dtype(q.dtype))
         for j, (k_j, v_j) in enumerate(blocks):
@@ -101,21 +110,23 @@ def prefix_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 @prefix_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, k_prefix, v_prefix, site, scale):
+def _(dout, q, k, v, out, lse, k_prefix, v_prefix, site, scale, window=None, doc_pos=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, k_prefix, v_prefix, site, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], k_prefix, v_prefix)
-    ctx.site, ctx.scale = site, scale
+    q, k, v, k_prefix, v_prefix, site, scale, *rest = inputs
+    window, doc_pos = (list(rest) + [None, None])[:2]
+    ctx.save_for_backward(q, k, v, output[0], output[1], k_prefix, v_prefix, doc_pos)
+    ctx.site, ctx.scale, ctx.window = site, scale, window
 
 
 def _attention_backward(ctx, dout, dlse):
     # `streamed_prefix_attention` returns only `out`: lse never gets a gradient
-    q, k, v, out, lse, k_prefix, v_prefix = ctx.saved_tensors
-    dq, dk, dv = prefix_attention_bwd(dout, q, k, v, out, lse, k_prefix, v_prefix, ctx.site, ctx.scale)
-    return dq, dk, dv, torch.zeros_like(k_prefix), torch.zeros_like(v_prefix), None, None
+    q, k, v, out, lse, k_prefix, v_prefix, doc_pos = ctx.saved_tensors
+    dq, dk, dv = prefix_attention_bwd(dout, q, k, v, out, lse, k_prefix, v_prefix, ctx.site, ctx.scale, ctx.window,
+                                      doc_pos)
+    return dq, dk, dv, torch.zeros_like(k_prefix), torch.zeros_like(v_prefix), None, None, None, None
 
 
 torch.library.register_autograd("sppo::prefix_attention", _attention_backward, setup_context=_attention_setup)
@@ -164,7 +175,8 @@ def _kv_out_backward(ctx, grad_handle):
 torch.library.register_autograd("sppo::kv_out", _kv_out_backward, setup_context=_kv_out_setup)
 
 
-def streamed_prefix_attention(q, k_prefix, k, v_prefix, v, site: int, scale=None, enable_gqa=False):
+def streamed_prefix_attention(q, k_prefix, k, v_prefix, v, site: int, scale=None, enable_gqa=False, window=None,
+                              doc_pos=None):
     """`sppo_fx.attention.prefix_causal_attention` with the prefix in the skeleton:
     `k_prefix`, `v_prefix` are empty handles (shape [b, h_kv, p, d, 0]).
 
@@ -174,9 +186,11 @@ def streamed_prefix_attention(q, k_prefix, k, v_prefix, v, site: int, scale=None
         site: the attention site (index into the program's `attention`).
         scale: softmax scale (default 1/sqrt(d)).
         enable_gqa: accepted for signature parity (grouped heads are always allowed).
+        window: sliding window W (each query sees its W most recent keys), or None.
+        doc_pos: [b or 1, c] each query's position inside its packed document, or None.
 
     Returns:
         [b, h, c, d] attention output.
     """
     from sppo_fx.ops.chunk_attention import _default_scale
-    return prefix_attention(q, k, v, k_prefix, v_prefix, site, _default_scale(q, scale))[0]
+    return prefix_attention(q, k, v, k_prefix, v_prefix, site, _default_scale(q, scale), window, doc_pos)[0]

@@ -12,6 +12,9 @@ The program's signature keeps its shape (one prefix input per site and K/V, one 
 output per site), but prefixes and K/V outputs are empty handles: the data lives in the
 executor's `runtime.skeleton.KVSkeleton` and the attention op streams it in one earlier
 chunk at a time (`sppo_fx.ops.skeleton`). The K/V skeleton can then leave the device.
+A sliding-window site keeps its `window=W` and a packed-document site its `doc_pos`: the op
+streams only the blocks that reach into the chunk's window or its documents
+(`sppo_fx.ops.skeleton_window`).
 """
 from __future__ import annotations
 
@@ -45,12 +48,6 @@ def stream_kv_skeleton(chunk: fx.GraphModule, num_sites: int) -> fx.GraphModule:
     first_kv = len(outputs) - 2 * num_sites
     for s, node in enumerate(sites):
         q, kp, k, vp, v = node.args
-        if node.kwargs.get("window") is not None:
-            raise SppoError(f"skeleton='offload' does not support sliding-window attention yet (attention "
-                            f"site {s} has a window of {node.kwargs['window']} tokens): use skeleton='keep'")
-        if node.kwargs.get("doc_pos") is not None:
-            raise SppoError(f"skeleton='offload' does not support attention inside packed documents yet "
-                            f"(attention site {s}): use skeleton='keep'")
         for prefix in (kp, vp):
             if prefix.op != "placeholder" or len(prefix.users) != 1:
                 raise SppoError(f"stream_kv_skeleton: the K/V prefix {prefix.name} of attention site {s} is "

@@ -201,7 +201,13 @@ class StageRunner:
         if self.skeleton == "offload":
             if mb.skeleton is None:
                 from sppo_fx.runtime.skeleton import KVSkeleton
-                mb.skeleton = KVSkeleton(self.store, offload=self.needs_grad, num_chunks=self.plan.num_chunks)
+                # packed documents: each chunk reads from its first token's document on
+                firsts = [self._prefix_starts(s, mb) for s, _ in self.plan.bounds()]
+                mb.skeleton = KVSkeleton(self.store, offload=self.needs_grad, num_chunks=self.plan.num_chunks,
+                                         bounds=self.plan.bounds(), backward=self.needs_grad,
+                                         windows=[site.window for site in self.program.attention],
+                                         first_read=[[f[2 * n] for f in firsts] if site.documents else None
+                                                     for n, site in enumerate(self.program.attention)])
             out = []
             for site in self.program.attention:
                 for shape in (site.k_shape, site.v_shape):

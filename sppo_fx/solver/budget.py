@@ -50,8 +50,10 @@ device and is streamed into each attention one earlier chunk at a time, so the
 accumulators of backward, and the chunk's own K/V, which its graph now saves as a
 chunk-private tensor (L2 becomes L2 + L1). Reading the prefix back costs
 sum_{j<i} L1_j per chunk in forward and again in backward, hidden behind that chunk's
-compute where the bandwidth allows. The solver offloads the skeleton only when no plan
-with it kept fits.
+compute where the bandwidth allows. For a sliding-window site a block holds only the
+chunk's last W-1 rows and a chunk reads and accumulates gradients only for the blocks that
+reach into its window (`streamed_skeleton`): reads, stream buffer and dK/dV are bounded by
+W. The solver offloads the skeleton only when no plan with it kept fits.
 
 Sequence-aware offload: chunk i's offload is sized to hide behind chunk i+1's forward at
 the tier's write bandwidth, a_i = min(1, bw · t_fwd(i+1) / L2_i). On a CPU-only machine
@@ -77,7 +79,7 @@ from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.passes import cost as cost_model
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
-from sppo_fx.skeleton_rows import chunk_copy_rows, keeps_no_buffer, window_firsts
+from sppo_fx.skeleton_rows import blocks_read, chunk_copy_rows, keeps_no_buffer, kept_first, window_firsts
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
 from sppo_fx.units import parse_bytes
 
@@ -192,6 +194,29 @@ def _kept_skeleton(mem: MemoryModel, lengths: list[int], starts: list[int], l1: 
     return buffer, copies, grads
 
 
+def streamed_skeleton(mem: MemoryModel, lengths: list[int]):
+    """The skeleton offloaded (`runtime.skeleton.KVSkeleton`), per chunk: the bytes of its
+    stored block (a windowed site's chunk stores only the rows later windows read,
+    `skeleton_rows.kept_first`), the bytes it reads back in forward (and again in backward:
+    the blocks that reach into its window, `skeleton_rows.blocks_read`), and the dK/dV
+    accumulators alive at its backward (of those same blocks). A packed-document site counts
+    as causal (its documents are data: an upper bound of what the runtime stores and reads)."""
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    bounds = [(t, t + c) for c, t in zip(lengths, starts)]
+    n = len(lengths)
+    causal = [mem.level1(c, t) for c, t in zip(lengths, starts)]
+    stored = []  # per window: (W, stored bytes per chunk)
+    for window, level1 in mem.windowed:
+        causal = [x - level1(c, t) for x, c, t in zip(causal, lengths, starts)]
+        rows = [e - kept_first(s, e, window) for s, e in bounds]
+        stored.append((window, [level1(r, s) if r > 0 else 0 for r, (s, _) in zip(rows, bounds)]))
+    blocks = [causal[j] + sum(st[j] for _, st in stored) for j in range(n)]
+    causal_before = [0, *itertools.accumulate(causal)]
+    reads = [causal_before[i] + sum(sum(st[j] for j in blocks_read(bounds, i, w)) for w, st in stored)
+             for i in range(n)]
+    return blocks, reads, reads  # the accumulators at chunk j's backward: the blocks it reads
+
+
 def kept_skeleton_bytes(mem: MemoryModel, lengths: list[int]) -> int:
     """Bytes of K/V skeleton the runtime keeps (skeleton="keep") at the end of the forward:
     the full-sequence buffers and the window copies (`StageRunner.skeleton_bytes`)."""
@@ -218,9 +243,14 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
     # kept: the skeleton buffer of the chunks so far (and window copies), plus each chunk's
     # own K/V outputs, which its graph also saves for its backward (a second copy, alive
     # until that backward); offloaded: two blocks of one site streaming in (own K/V are in L2)
-    stream = [2 * max(l1[:j], default=0) // max(1, mem.sites) for j in range(n)]
     kept = skeleton != "offload"
-    buffer, copies, grads = _kept_skeleton(mem, lengths, starts, l1) if kept else ([0] * n, [0] * n, l1_before)
+    if kept:
+        buffer, copies, grads = _kept_skeleton(mem, lengths, starts, l1)
+        stream = [0] * n
+    else:
+        blocks, _, grads = streamed_skeleton(mem, lengths)
+        buffer, copies = [0] * n, [0] * n
+        stream = [2 * max(blocks[:j], default=0) // max(1, mem.sites) for j in range(n)]
     skeleton_upto = [0, *itertools.accumulate(x + y for x, y in zip(buffer, copies))]  # chunks < j
     copies_upto = list(itertools.accumulate(copies))  # window copies of chunks <= j
     sites = max(1, mem.sites)
@@ -382,10 +412,7 @@ def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half
         # waits, reads further ahead); the peak grows by at most that much
         window = min(window + (budget - peak) // 2, max(max(l2), window))
         peak = predict_peak(model, lengths, ratios, skeleton, window)
-    reads = None
-    if skeleton == "offload":
-        l1 = [model.level1(c, t) for c, t in zip(lengths, starts)]
-        reads = [sum(l1[:i]) for i in range(n)]
+    reads = streamed_skeleton(model, lengths)[1] if skeleton == "offload" else None
     seconds = _step_seconds(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction, reads,
                             copies_share_compute, cache)
     return BudgetPlan(lengths, ratios, peak, seconds, model.recompute, skeleton, window), floor
