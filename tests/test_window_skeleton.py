@@ -22,11 +22,12 @@ def _bounds(lengths):
     return [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]
 
 
-def _streamed(q, k, v, lengths, window, backward=True):
+def _streamed(q, k, v, lengths, window, backward=True, kv_out_first=False):
     """Windowed attention chunk by chunk through `KVSkeleton` and the streamed op, as the
     runtime runs it (forward of every chunk, then backward in reverse). Returns the
     output, the gradients of q, k, v (dout = ones), the bytes each chunk's forward read,
-    and the skeleton."""
+    and the skeleton. `kv_out_first`: the chunk's K/V reach the skeleton before its
+    attention runs (Inductor may order the two ops so)."""
     b, h_kv, _, d = k.shape
     bounds = _bounds(lengths)
     sk = KVSkeleton(None, num_chunks=len(lengths), bounds=bounds, windows=[window], backward=backward)
@@ -35,11 +36,16 @@ def _streamed(q, k, v, lengths, window, backward=True):
         qi, ki, vi = (t[..., s:e, :].detach().requires_grad_() for t in (q, k, v))
         hk, hv = (torch.empty(b, h_kv, s, d, 0, dtype=q.dtype, requires_grad=True) for _ in range(2))
         before = sk.bytes_read
+        if kv_out_first:
+            sk.put(0, i, ki.detach())
+            sk.put(1, i, vi.detach())
         with active_memory(ChunkMemory(skeleton=sk, chunk=i)), torch.set_grad_enabled(backward):
             out = streamed_prefix_attention(qi, hk, ki, hv, vi, site=0, window=window)
         reads.append(sk.bytes_read - before)
-        sk.put(0, i, ki.detach())
-        sk.put(1, i, vi.detach())
+        if not kv_out_first:
+            sk.put(0, i, ki.detach())
+            sk.put(1, i, vi.detach())
+        sk.end_forward(i)  # the executor, once the chunk program has returned
         outs.append(out)
         saved.append((qi, ki, vi, out))
     grads = [torch.zeros_like(t) for t in (q, k, v)]
@@ -81,18 +87,22 @@ def test_streamed_window_attention_equals_windowed_attention_with_reads_bounded_
     assert not sk.blocks and not sk.grads
 
 
-def test_streamed_window_blocks_go_after_their_last_reader_without_a_backward():
+@pytest.mark.parametrize("kv_out_first", [False, True], ids=["attention-first", "kv_out-first"])
+def test_streamed_window_blocks_go_after_their_last_reader_without_a_backward(kv_out_first):
     """Evaluation (no backward): the skeleton held is bounded by the window at T = 4W and
-    16W alike, while every chunk's output stays exact."""
+    16W alike, while every chunk's output stays exact, whichever order the chunk program
+    runs its kv_out and its attention in (blocks expire when the program has returned;
+    expiring them at kv_out failed under Inductor with torch.no_grad)."""
     window, peaks = 8, []
     for t in (32, 128):
         q = torch.randn(1, 2, t, 8, dtype=torch.float64)
         k, v = torch.randn(1, 2, t, 8, dtype=torch.float64), torch.randn(1, 2, t, 8, dtype=torch.float64)
-        out, _, _, sk = _streamed(q, k, v, [4] * (t // 4), window, backward=False)
+        out, _, _, sk = _streamed(q, k, v, [4] * (t // 4), window, backward=False, kv_out_first=kv_out_first)
         torch.testing.assert_close(out, windowed_causal_attention(q, k, v, window))
         peaks.append(sk.peak_bytes_held)
-    # K and V of two chunks of 4 (the window reaches two back): 16 rows of [1, 2, 8] float64
-    assert peaks[0] == peaks[1] == 2 * 2 * 4 * (2 * 8 * 8)
+    # K and V of three chunks of 4 (the window reaches two back, and the running chunk's
+    # block is stored before the oldest expires): 24 rows of [1, 2, 8] float64
+    assert peaks[0] == peaks[1] == 2 * 3 * 4 * (2 * 8 * 8)
 
 
 # ---------------------------------------------------------------- through the executor

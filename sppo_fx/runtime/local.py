@@ -286,6 +286,8 @@ class StageRunner:
         m.states[i] = _ChunkState(outs[:n_part], outs[n_part:n_part + n_send], outs[n_part + n_send:],
                                   prefix, recv_leaves, memory)
         if self.skeleton == "offload":
+            if m.skeleton is not None:
+                m.skeleton.end_forward(i)
             return [t.detach() for t in m.states[i].sends]  # the K/V went to the skeleton (sppo.kv_out)
         with torch.no_grad():
             for buf, t in zip(m.kv_buffers, m.states[i].kv):

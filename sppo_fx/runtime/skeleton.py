@@ -116,7 +116,6 @@ class KVSkeleton:
     def put(self, slot: int, chunk: int, x: torch.Tensor) -> None:
         """Chunk `chunk`'s K (slot 2s) or V (2s + 1) of site s, after its forward."""
         if self.num_chunks is not None and chunk == self.num_chunks - 1:
-            self._expire(slot, chunk)
             return  # never a prefix
         if self.bounds is None:
             if self.window(slot // 2) is not None or self.first_read is not None:
@@ -126,12 +125,18 @@ class KVSkeleton:
             start, first = self.bounds[chunk][0], stored_first(self.bounds, self.firsts(slot // 2), chunk)
         if first > start:  # rows no later window reaches are not kept (a copy: x's storage goes)
             x = x[..., first - start:, :].clone()
-        self._expire(slot, chunk)  # this chunk's forward has read its blocks
         self.first_row[(slot, chunk)] = first
         self.nbytes[(slot, chunk)] = x.numel() * x.element_size()
         self.blocks[(slot, chunk)] = self.store.offload(x, keep=True) if self.offload else x
         self.bytes_held += self.nbytes[(slot, chunk)]
         self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
+
+    def end_forward(self, chunk: int) -> None:
+        """Chunk `chunk`'s forward has returned: without a backward, drop the blocks whose
+        last reader it was. Not earlier (in `put`): a compiler may run a chunk's `kv_out`
+        before its attention, which is still to read those blocks."""
+        for slot in sorted({key[0] for key in self.blocks}):
+            self._expire(slot, chunk)
 
     def _expire(self, slot: int, chunk: int) -> None:
         """Without a backward: drop the blocks of `slot` whose last reader was `chunk`."""
