@@ -45,6 +45,30 @@ def eager_loss_and_grads(model, call):
     return loss.detach(), grads
 
 
+def record_skeleton_traffic(monkeypatch):
+    """Patch the executor to record, for each chunk forward, the bytes it read back from the
+    K/V skeleton (skeleton="offload"), and for each micro-batch the skeleton's peak stored
+    bytes. Returns the (reads, peaks) lists the steps fill."""
+    from sppo_fx.runtime.local import StageRunner
+    reads, peaks = [], []
+    forward, finish = StageRunner.forward, StageRunner.finish_forward
+
+    def recording_forward(self, mb, i, recvs=()):
+        m = self.microbatches[mb]
+        before = m.skeleton.bytes_read if m.skeleton is not None else 0
+        sends = forward(self, mb, i, recvs)
+        reads.append(m.skeleton.bytes_read - before)
+        return sends
+
+    def recording_finish(self, mb):
+        peaks.append(self.microbatches[mb].skeleton.peak_bytes_held)
+        return finish(self, mb)
+
+    monkeypatch.setattr(StageRunner, "forward", recording_forward)
+    monkeypatch.setattr(StageRunner, "finish_forward", recording_finish)
+    return reads, peaks
+
+
 def assert_matches_eager(model, eager_call, compiled_call, rtol=RTOL, atol=ATOL):
     """Loss and every parameter gradient of `compiled_call` equal the eager ones."""
     ref_loss, ref_grads = eager_loss_and_grads(model, eager_call)

@@ -20,7 +20,7 @@ import sppo_fx
 from sppo_fx.attention import document_causal_attention, document_positions, prefix_causal_attention
 from sppo_fx.errors import SppoError
 
-from conftest import assert_matches_eager
+from conftest import assert_matches_eager, record_skeleton_traffic
 
 
 # 48 tokens in chunks of 12: documents cross chunk boundaries (0-9 | 10-23 spans two), several
@@ -326,23 +326,7 @@ def test_streamed_skeleton_reads_only_the_documents_a_chunk_sees(window, tmp_pat
     them from the kept skeleton: 0, 7, 19, 11 rows; fewer with a window of 5), a block
     stores only the rows a later chunk reads, and documents that each fit a chunk are
     neither stored nor read."""
-    from sppo_fx.runtime.local import StageRunner
-    reads, peaks = [], []
-    forward, finish = StageRunner.forward, StageRunner.finish_forward
-
-    def recording_forward(self, mb, i, recvs=()):
-        m = self.microbatches[mb]
-        before = m.skeleton.bytes_read if m.skeleton is not None else 0
-        sends = forward(self, mb, i, recvs)
-        reads.append(m.skeleton.bytes_read - before)
-        return sends
-
-    def recording_finish(self, mb):
-        peaks.append(self.microbatches[mb].skeleton.peak_bytes_held)
-        return finish(self, mb)
-
-    monkeypatch.setattr(StageRunner, "forward", recording_forward)
-    monkeypatch.setattr(StageRunner, "finish_forward", recording_finish)
+    reads, peaks = record_skeleton_traffic(monkeypatch)
     torch.manual_seed(5)
     model = DocModel(layers=1, window=window)
     compiled = sppo_fx.compile(model, chunk_lengths=[12] * 4, compile=False, offload="disk", skeleton="offload",

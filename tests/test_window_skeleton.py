@@ -15,7 +15,7 @@ from sppo_fx.ops.skeleton import streamed_prefix_attention
 from sppo_fx.runtime.memory import ChunkMemory
 from sppo_fx.runtime.skeleton import KVSkeleton
 
-from conftest import assert_matches_eager
+from conftest import assert_matches_eager, record_skeleton_traffic
 
 
 def _bounds(lengths):
@@ -144,23 +144,7 @@ def offloaded_window(tmp_path_factory):
 def _run(model, compiled, lengths, monkeypatch):
     """One exact training step with these chunks; returns the bytes each chunk's forward
     read back from the skeleton and the skeleton's peak stored bytes."""
-    from sppo_fx.runtime.local import StageRunner
-    reads, peaks = [], []
-    forward, finish = StageRunner.forward, StageRunner.finish_forward
-
-    def recording_forward(self, mb, i, recvs=()):
-        m = self.microbatches[mb]
-        before = m.skeleton.bytes_read if m.skeleton is not None else 0
-        sends = forward(self, mb, i, recvs)
-        reads.append(m.skeleton.bytes_read - before)
-        return sends
-
-    def recording_finish(self, mb):
-        peaks.append(self.microbatches[mb].skeleton.peak_bytes_held)
-        return finish(self, mb)
-
-    monkeypatch.setattr(StageRunner, "forward", recording_forward)
-    monkeypatch.setattr(StageRunner, "finish_forward", recording_finish)
+    reads, peaks = record_skeleton_traffic(monkeypatch)
     compiled.options.chunk_lengths = lengths
     ids = torch.randint(0, 101, (2, sum(lengths)))
     assert_matches_eager(model, lambda m: m(ids, ids), lambda: compiled(ids, ids))
