@@ -129,7 +129,7 @@ def test_plan_with_offload_round_trips_and_prints():
         Plan(10, [6, 4], offload_ratios=[1.5, 0.0])
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["gpt", "llama"]), cuts=st.sets(st.integers(1, 63), min_size=1, max_size=5),
        quotas=st.lists(st.sampled_from([0, 1, 2**14, 2**18, None]), min_size=6, max_size=6), seed=st.integers(0, 99),

@@ -224,3 +224,22 @@ def test_budget_solver_offloads_a_windowed_skeleton_when_the_budget_requires_it(
     finally:
         o.chunk_lengths, o.budget, o.recompute, o.skeleton = saved
     assert plan.skeleton == "offload" and plan.peak_bytes <= budget
+
+
+def test_offloaded_window_skeleton_compiled_by_inductor(tmp_path, monkeypatch):
+    """The streamed windowed skeleton with Inductor's chunk programs, which may run a chunk's
+    `kv_out` before its attention: a training step is exact, an evaluation under no_grad
+    gives eager's loss, and each chunk reads only the previous chunk's last W-1 rows."""
+    torch.manual_seed(0)
+    model = WindowLM(window=8)
+    compiled = sppo_fx.compile(model, chunk_lengths=[8] * 4, compile=True, offload="disk", skeleton="offload",
+                               offload_dir=str(tmp_path))
+    ids = torch.randint(0, 101, (2, 32))
+    reads, peaks = record_skeleton_traffic(monkeypatch)
+    assert_matches_eager(model, lambda m: m(ids, ids), lambda: compiled(ids, ids))
+    assert reads == [0] + [2 * 7 * ROW] * 3 and peaks == [3 * 2 * 7 * ROW]
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, ids), model(ids, ids))
+    codegen = compiled.codegen
+    assert codegen.backend == "inductor" and codegen.stats.compiles >= 1 and codegen.generated_code()
+    assert compiled.store.bytes_offloaded == 0  # every block went at the end of each call
