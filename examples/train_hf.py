@@ -10,11 +10,13 @@ gpt_neox, olmo2: 2 layers, hidden 64; no hub access is needed) or a local config
 
 Data: every *.txt file under --corpus (or the one file) is a document. Text is tokenised
 as bytes (ids 0..255) and documents are packed into one stream, separated by an
-end-of-document id 256, then cut into [batch, seq_len] windows.
-NOTE: for now attention crosses document boundaries inside a window (one concatenated
-stream, as many pre-training pipelines do). Document-causal attention (position_ids
-restarting at each document) needs sppo_fx's packed-documents support;
-`--document-masking` is refused until then.
+end-of-document id 256, then cut into [batch, seq_len] windows. By default attention
+crosses document boundaries inside a window (one concatenated stream, as many
+pre-training pipelines do). With --document-masking each token attends only to its own
+document: `position_ids` restart at 0 after every end-of-document id and the model runs
+with `use_cache=False`, Hugging Face's packed-sequence convention, which sppo_fx proves
+document-causal and chunks exactly (README, "Packed documents"); a chunk then reads no K/V
+of documents that ended before it.
 
 Each step prints the loss and tokens/s; the first prints sppo_fx's plan (chunks, what is
 offloaded, predicted peak). At the end the loss curve is printed, and with --checkpoint
@@ -100,6 +102,17 @@ def pack(docs: list[bytes]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position inside its document: 0 at a window's first token and after
+    every EOD (the EOD closes its document), counting up by one otherwise."""
+    t = ids.shape[-1]
+    index = torch.arange(t).expand_as(ids)
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = ids[:, :-1] == EOD
+    return index - torch.where(starts, index, 0).cummax(-1).values
+
+
 def batches(stream: torch.Tensor, batch: int, seq_len: int, seed: int):
     """Endless [batch, seq_len] windows at random offsets of the stream (repeated if short)."""
     need = seq_len + 1
@@ -166,12 +179,10 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default=None, help="save (and verify the reload of) model+optimizer here")
     p.add_argument("--resume", default=None, help="continue from a checkpoint written by --checkpoint")
     p.add_argument("--document-masking", action="store_true",
-                   help="attention within documents only (not yet supported: see the module docstring)")
+                   help="attention within each document only (position_ids restarting after each "
+                        "end-of-document id, use_cache=False)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.document_masking:
-        raise SystemExit("--document-masking needs sppo_fx's packed-documents support, which has not "
-                         "landed yet; train on the concatenated stream (without the flag) for now")
 
     torch.manual_seed(args.seed)
     config = load_config(args.config)
@@ -188,7 +199,8 @@ def main(argv=None) -> int:
     docs = read_documents(args.corpus)
     stream = pack(docs)
     print(f"model {type(model).__name__}: {n_params / 1e6:.2f}M parameters; corpus {len(docs)} documents, "
-          f"{stream.numel()} tokens (bytes, documents packed into one stream)")
+          f"{stream.numel()} tokens (bytes, documents packed into one stream; attention "
+          f"{'within each document' if args.document_masking else 'across documents'})")
 
     if args.offload_dir:
         os.makedirs(args.offload_dir, exist_ok=True)
@@ -202,7 +214,10 @@ def main(argv=None) -> int:
     for step in range(start, start + args.steps):
         ids = next(data)
         t0 = time.perf_counter()
-        loss = compiled(input_ids=ids, labels=ids)
+        if args.document_masking:
+            loss = compiled(input_ids=ids, labels=ids, position_ids=document_positions(ids), use_cache=False)
+        else:
+            loss = compiled(input_ids=ids, labels=ids)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

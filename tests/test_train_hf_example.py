@@ -44,3 +44,26 @@ def test_pack_separates_documents():
     example = _example()
     stream = example.pack([b"ab", b"c"])
     assert stream.tolist() == [97, 98, example.EOD, 99, example.EOD]
+
+
+def test_document_positions_restart_after_each_end_of_document():
+    example = _example()
+    ids = torch.tensor([[5, 6, example.EOD, 7, example.EOD, example.EOD, 8, 9]])
+    assert example.document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+
+
+def test_document_masking_trains_with_document_sites(tmp_path, capsys, monkeypatch):
+    """--document-masking hands the model restarting position_ids without a cache: every
+    attention site of the chunk program is document-causal (sppo_fx proved the mask)."""
+    import sppo_fx
+    corpus = tmp_path / "doc.txt"
+    corpus.write_text("tiny documents. " * 20)
+    made = []
+    compile_fn = sppo_fx.compile
+    monkeypatch.setattr(sppo_fx, "compile", lambda *a, **kw: made.append(compile_fn(*a, **kw)) or made[-1])
+    args = ["--config", "llama", "--corpus", str(corpus), "--seq-len", "48", "--steps", "1", "--budget", "none",
+            "--chunks", "3", "--no-compile", "--document-masking"]
+    assert _example().main(args) == 0
+    assert "within each document" in capsys.readouterr().out
+    sites = made[0].program.attention
+    assert sites and all(site.documents for site in sites)
