@@ -102,7 +102,7 @@ run_step 01_env 20 bash -c env_info
 # Four pytest workers (with xdist), each with an Inductor compile pool of 4 processes and 4
 # CPU threads, on the machine's 16 cores.
 TORCHINDUCTOR_COMPILE_THREADS=4 OMP_NUM_THREADS=4 \
-run_step 02_test_cuda 170 python3 -m pytest tests/test_cuda.py -v -rs --durations=15 "${PAR[@]}" "${PER_TEST[@]}"
+run_step 02_test_cuda 170 python3 -m pytest tests/test_cuda.py tests/test_bf16.py::test_bf16_on_cuda_within_twice_eager_bf16_error -v -rs --durations=15 "${PAR[@]}" "${PER_TEST[@]}"
 
 [ -n "${SKIP_ATTENTION:-}" ] || \
 run_step 03_attention 40 python3 bench/attention.py --prefixes 0,8192,32768 --warmup 2 --iters 5

@@ -21,9 +21,9 @@ from sppo_fx.models import build
 FLOOR = 1e-3
 
 
-def _run(model, call, autocast=False):
+def _run(model, call, autocast=False, device="cpu"):
     model.zero_grad(set_to_none=True)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    ctx = torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
         loss = call()
     loss.backward()
@@ -36,9 +36,10 @@ def _grad_error(grads, ref):
     return max(((grads[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
 
 
-def _data(seq=64):
+def _data(seq=64, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 97, (2, seq), generator=g), torch.randint(0, 97, (2, seq), generator=g)
+    x, y = torch.randint(0, 97, (2, seq), generator=g), torch.randint(0, 97, (2, seq), generator=g)
+    return x.to(device), y.to(device)
 
 
 def _check(eager, sppo, ref):
@@ -93,3 +94,19 @@ def test_bf16_offload_is_bitwise_neutral(autocast, tmp_path):
     assert torch.equal(loss, loss2)
     for name, g in grads.items():
         assert torch.equal(grads2[name], g), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-model", "fp32-autocast"])
+def test_bf16_on_cuda_within_twice_eager_bf16_error(autocast):
+    """On a GPU (Triton chunk attention): a bf16 model, and an fp32 model under CUDA bf16
+    autocast, against the fp32 model on the same GPU, with the tolerance above."""
+    torch.manual_seed(0)
+    fp32 = build("llama").cuda()
+    x, y = _data(device="cuda")
+    ref = _run(fp32, lambda: fp32(x, y))
+    model = fp32 if autocast else copy.deepcopy(fp32).to(torch.bfloat16)
+    eager = _run(model, lambda: model(x, y), autocast, "cuda")
+    compiled = sppo_fx.compile(model, chunks=4, compile=False)
+    sppo = _run(model, lambda: compiled(x, y), autocast, "cuda")
+    _check(eager, sppo, ref)
