@@ -220,6 +220,7 @@ def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
                           "sppo chunks=2 recompute=none offload=disk stages=2", "sppo budget=min+50% recompute=none"]
     assert record["baseline"] == "checkpoint" and rows["checkpoint"]["time_ratio"] == 1.0
     assert record["machine"]["cores"] and len(record["runs"]) == 5 and "commit" in record
+    assert "load_average_1min_end" in record["machine"]  # the start's load, and the end's
     for r in rows.values():
         assert r["step_s"] > 0 and r["first_s"] > 0 and r["max_grad_diff"] < 1e-5, r
         assert abs(r["loss"] - rows["eager"]["loss"]) < 1e-4

@@ -74,10 +74,12 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     if args.rounds < 1 or args.steps < 1:
         raise SppoError("--rounds and --steps must be at least 1")
     configs = configs_from_args(args)
+    # the commit and load the rows start from: a long grid outlives edits and other jobs
+    machine, head = report.machine(), report.commit()
     result = run_grid(configs, rounds=args.rounds, timeout=args.timeout, progress=progress)
+    machine["load_average_1min_end"] = report.machine()["load_average_1min"]
     base, notes = add_ratios(result["rows"], args.baseline)
-    result.update(machine=report.machine(), commit=report.commit(), baseline=base and base["label"],
-                  command=" ".join(sys.argv))
+    result.update(machine=machine, commit=head, baseline=base and base["label"], command=" ".join(sys.argv))
     written = list(report.write_records(result, args.out)) if args.out else []  # before anything can fail
     title = (f"{args.model}-{args.size}, T={args.seq_len}, batch {args.batch}, {args.steps} steps x "
              f"{args.rounds} round(s)")
