@@ -51,7 +51,9 @@ def explain(captured: Captured, program: ChunkedProgram, plan: Plan | None, comp
         lines.append("Codegen: off (compile=False): the chunk program runs op by op as an FX graph")
     else:
         files = compiled.generated_code()
-        lines.append(f"Codegen: Inductor, {compiled.stats.compiles} compile(s) of the chunk program; "
-                     f"generated code ({len(files)} modules, forward and backward):")
+        traced = compiled.stats.exact_traces
+        lines.append(f"Codegen: Inductor, {compiled.stats.compiles} compile(s) of the chunk program"
+                     + (f" (and chunk 0's AOTAutograd graphs, traced at {traced} signature(s))" if traced else "")
+                     + f"; generated code ({len(files)} modules, forward and backward):")
         lines += [f"    {f}" for f in files] or ["    (not compiled yet: runs on the first call)"]
     return "\n".join(lines)

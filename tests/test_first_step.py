@@ -1,7 +1,8 @@
 """Time to the first step: chunk 0 (empty K/V prefix) does not cost a second Inductor compile
-(codegen/inductor.py `eager_empty_prefix`), and a one-chunk plan keeps Inductor. Inductor
-itself is replaced by AOTAutograd's eager graphs here (the backend each compile asked for is
-what is checked), so the test runs in seconds; exactness against eager is checked too."""
+(codegen/inductor.py `eager_empty_prefix`): its AOTAutograd graphs are traced at its sizes,
+without Dynamo, and a one-chunk plan keeps Inductor. Inductor itself is replaced by
+AOTAutograd's eager graphs here (the backend each compile asked for is what is checked), so
+the tests run in seconds; exactness against eager is checked too."""
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,8 @@ from sppo_fx.codegen.inductor import CompiledProgram
 from sppo_fx.models import build
 
 
-@pytest.mark.parametrize("chunks, skeleton, expected", [(3, "keep", ["eager", "inductor"]), (1, "keep", ["inductor"]),
-                                                     (3, "offload", ["eager", "inductor"])])
-def test_chunk_zero_skips_inductor_only_with_later_chunks(monkeypatch, tmp_path, chunks, skeleton, expected):
-    """With the K/V skeleton offloaded every chunk's prefix handle is an empty tensor, so
-    chunk 0 is told by its chunk_start (0 specialises: without the routing it compiles a
-    second Inductor graph)."""
+def _record_backends(monkeypatch) -> list:
+    """The backend each Dynamo compile asks for; every one runs AOTAutograd's eager graphs."""
     asked = []
     original = CompiledProgram._compile
 
@@ -26,6 +23,15 @@ def test_chunk_zero_skips_inductor_only_with_later_chunks(monkeypatch, tmp_path,
         return original(self, graph, example_inputs, "eager")  # no C++ compile in the test
 
     monkeypatch.setattr(CompiledProgram, "_compile", record)
+    return asked
+
+
+@pytest.mark.parametrize("chunks, skeleton, traces", [(3, "keep", 1), (1, "keep", 0), (3, "offload", 1)])
+def test_chunk_zero_skips_inductor_only_with_later_chunks(monkeypatch, tmp_path, chunks, skeleton, traces):
+    """With the K/V skeleton offloaded every chunk's prefix handle is an empty tensor, so
+    chunk 0 is told by its chunk_start (0 specialises: without the routing it compiles a
+    second Inductor graph). One Dynamo compile, for Inductor; chunk 0 traced at its sizes."""
+    asked = _record_backends(monkeypatch)
     torch.manual_seed(0)
     model = build("llama", "tiny")
     x = torch.randint(0, 97, (1, 48))
@@ -35,32 +41,40 @@ def test_chunk_zero_skips_inductor_only_with_later_chunks(monkeypatch, tmp_path,
     extra = dict(offload="disk", skeleton="offload", offload_dir=str(tmp_path)) if skeleton == "offload" else {}
     compiled = sppo_fx.compile(model, chunks=chunks, compile=True, **extra)
     compiled(x, x).backward()
-    assert asked == expected
-    assert compiled.codegen.stats.compiles == len(expected)
+    assert asked == ["inductor"]
+    assert compiled.codegen.stats.compiles == 1 and compiled.codegen.stats.exact_traces == traces
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-5)
 
 
-def test_a_later_process_gets_the_chunk_program_from_the_autograd_cache(monkeypatch, tmp_path):
-    """The chunk program (on CPU its attention is an autograd.Function, which torch keeps out
-    of the AOTAutograd cache unless told it is safe) comes back from Inductor's caches in a
-    later process: `torch._dynamo.reset()` forgets every compile in this one, so the second
-    compile is what a new process does. One chunk: one Inductor compile."""
-    from torch._dynamo.utils import counters
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+def test_chunk_zero_traced_at_its_sizes_then_one_dynamic_program(monkeypatch):
+    """Chunk 0 of new sizes: traced exactly for the first EXACT_SIZES sizes, then one
+    dynamic-shape program (Dynamo, AOTAutograd's graphs) serves every further size; a size
+    seen before reuses its trace. Every step exact against eager, in training and no_grad."""
+    from sppo_fx.codegen.inductor import EXACT_SIZES
+    assert EXACT_SIZES == 2
+    asked = _record_backends(monkeypatch)
     torch.manual_seed(0)
     model = build("llama", "tiny")
-    x = torch.randint(0, 97, (1, 24))
-    model(x, x).backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    hits = []
-    for _ in range(2):
-        torch._dynamo.reset()
-        counters.clear()
+    compiled = sppo_fx.compile(model, chunk_lengths=[16, 16], compile=True)
+    seen = []
+    for lengths in ([16, 16], [12, 20], [8, 24], [20, 12], [12, 20]):
+        x = torch.randint(0, 97, (1, 32))
+        model(x, x).backward()
+        ref = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-        compiled = sppo_fx.compile(model, chunks=1)
-        compiled(x, x).backward()
-        hits.append(counters["aot_autograd"]["autograd_cache_hit"])
+        compiled.options.chunk_lengths = lengths
+        loss = compiled(x, x)
+        loss.backward()
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, x), model(x, x), rtol=1e-5, atol=1e-6)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-5)
-    assert hits == [0, 1]
+        model.zero_grad(set_to_none=True)
+        seen.append((compiled.codegen.stats.exact_traces, asked.count("eager")))
+    # chunk 0 of 16, then 12 tokens: traced exactly, in training and in no_grad (4 traces);
+    # of 8 tokens, a third size: the dynamic program; of 20 tokens it serves again, and 12
+    # reuses its traces
+    assert seen[:3] == [(2, 0), (4, 0), (4, seen[2][1])] and seen[2][1] >= 1, seen
+    assert seen[4] == seen[3] == seen[2], seen
+    assert asked.count("inductor") <= 2  # the later chunks: one dynamic program (training, no_grad)

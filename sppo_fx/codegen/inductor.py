@@ -36,12 +36,20 @@ class CodegenStats:
     """What Inductor did for one compiled program.
 
     Attributes:
-        compiles: graphs compiled (1 + recompiles).
-        graph_inputs: for each compile, the example input shapes it saw (ints for scalars).
+        compiles: graphs compiled through Dynamo (1 + recompiles).
+        graph_inputs: for each of those, the example input shapes it saw (ints for scalars).
+        exact_traces: chunk 0's programs traced at its exact sizes (`CompiledProgram._trace_exact`).
     """
 
     compiles: int = 0
     graph_inputs: list = dataclasses.field(default_factory=list)
+    exact_traces: int = 0
+
+
+# Chunk-0 sizes traced exactly (no Dynamo) before chunk 0 gets one dynamic-shape program:
+# a fixed sequence length has one chunk-0 size (traced once for training and once for
+# no_grad); a length that varies would otherwise trace at every new size.
+EXACT_SIZES = 2
 
 
 def _code_modules():
@@ -139,7 +147,8 @@ class CompiledProgram:
             K/V prefix) runs AOTAutograd's graphs of the same program op by op instead of
             compiling a second Inductor graph for it: dynamic shapes specialise a size (or an
             int) of 0, so chunk 0 would otherwise cost a whole extra Inductor compile (about
-            half of the first call's compile time) for 1/N of the step's work. Chunk 0 is
+            half of the first call's compile time) for 1/N of the step's work. Those graphs
+            are traced at chunk 0's exact sizes without Dynamo (`_trace_exact`). Chunk 0 is
             told by its `chunk_start` placeholder being 0 (a streamed skeleton's prefix
             handles are empty tensors for every chunk), or, in a program without one, by an
             empty tensor argument. Same partition, same memory passes; the results differ
@@ -174,15 +183,61 @@ class CompiledProgram:
         self._what = f"compiling {name} program"
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self._start_index = names.index("chunk_start") if "chunk_start" in names else None
+        self._dynamic_dims = _dynamic_dims(gm) if dynamic else None
 
     def _empty_input_fn(self):
         if self._empty_fn is None:
-            # its own GraphModule again: its own code object, so the two compiled wrappers
-            # never share Dynamo's cache entries
-            gm = fx.GraphModule(self.gm, self.gm.graph, class_name=type(self.gm).__name__)
-            backend = functools.partial(self._counting_backend, backend="eager", first_chunk=True)
-            self._empty_fn = torch.compile(gm, backend=backend, dynamic=self._dynamic, fullgraph=True)
+            self._empty_fn = ExactSizeGraphs(self._trace_exact, EXACT_SIZES, self._dynamic_empty_input_fn)
         return self._empty_fn
+
+    def _dynamic_empty_input_fn(self):
+        """Chunk 0 once it has come in more than `EXACT_SIZES` sizes (sequence lengths that
+        vary from step to step): one program for every size, Dynamo with dynamic shapes."""
+        # its own GraphModule again: its own code object, so the two compiled wrappers
+        # never share Dynamo's cache entries
+        gm = fx.GraphModule(self.gm, self.gm.graph, class_name=type(self.gm).__name__)
+        backend = functools.partial(self._counting_backend, backend="eager", first_chunk=True)
+        return torch.compile(gm, backend=backend, dynamic=self._dynamic, fullgraph=True)
+
+    def _trace_exact(self, args):
+        """Chunk 0's forward and backward graphs, traced by AOTAutograd at these arguments'
+        exact sizes, without Dynamo: the program is already one flat FX graph, and chunk 0
+        has one set of sizes per chunk partition, so neither Dynamo's bytecode tracing nor
+        symbolic shapes buy anything here (`ExactSizeGraphs` traces again for other sizes).
+        Same memory passes as every compile. AOTAutograd traces on the first call, so the
+        phase also runs chunk 0's forward."""
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_function
+        names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        constants = [None if isinstance(a, torch.Tensor) else a for a in args]  # no tensor kept alive
+        grad_index = {k: i for k, i in enumerate(slots) if names[i].startswith("p_")}
+        gm = self.gm
+
+        def program(*tensors):
+            full = list(constants)
+            for i, t in zip(slots, tensors):
+                full[i] = t
+            return tuple(gm(*full))
+
+        def keep(g, _inputs):
+            return make_boxed_func(g.forward)
+
+        self.stats.exact_traces += 1
+        what = (f"tracing {self.name} program for chunk 0 (empty K/V prefix), size #{self.stats.exact_traces} "
+                f"(AOTAutograd graphs at its sizes, no Dynamo, no Inductor; recompute {self.recompute}"
+                f"{', offload' if self.offload else ''}) and running its forward")
+        compiled = aot_function(program, fw_compiler=keep, bw_compiler=keep,
+                                partition_fn=self._partition_fn(grad_index))
+        first = [True]
+
+        def run(*tensors):
+            if first[0]:
+                first[0] = False
+                with phase(what, log):
+                    return compiled(*tensors)
+            return compiled(*tensors)
+        return run
 
     def _partition_fn(self, grad_index):
         from sppo_fx.passes.offload import memory_partitioner
@@ -202,7 +257,7 @@ class CompiledProgram:
         backend = backend or self.backend
         self.stats.compiles += 1
         what = (f"compiling {self.name} program #{self.stats.compiles}"
-                f"{' (chunk 0, empty K/V prefix)' if first_chunk else ''} "
+                f"{' (chunk 0, empty K/V prefix, any size)' if first_chunk else ''} "
                 f"({'Inductor' if backend == 'inductor' else 'AOTAutograd graphs, no Inductor'}; "
                 f"recompute {self.recompute}{', offload' if self.offload else ''})")
         self._what = what  # the backward's phase is named after it (`_inner_compile`)
@@ -235,6 +290,8 @@ class CompiledProgram:
         # Chunks of 1 token and the empty prefix of chunk 0 specialise: allow a few graphs.
         with torch.fx.experimental._config.patch(use_duck_shape=False), \
                 torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 16)):
+            if self._dynamic_dims is not None:
+                _mark_static(args, self._dynamic_dims)
             if self._route_empty and self._is_first_chunk(args):
                 return self._empty_input_fn()(*args)
             return self._fn(*args)
@@ -259,6 +316,68 @@ class CompiledProgram:
         (forward and backward kernels' wrappers; the C++/Triton sources they load sit next to
         them in Inductor's cache directory)."""
         return [m.__file__ for m in _code_modules()[self._first_module:] if getattr(m, "__file__", None)]
+
+
+class ExactSizeGraphs:
+    """A program traced once per distinct call signature (no guards, no symbolic sizes), for
+    up to `limit` distinct argument sizes; calls of any other size go to one dynamic program.
+
+    The signature is every tensor argument's shape, stride, dtype, device and requires_grad,
+    every other argument's value (the sizes), and whether grad mode is on: any difference
+    traces again, as a failed guard would recompile. `trace(args)` returns a callable of the
+    tensor arguments, in order; `dynamic()` a callable of all of them, made on first need."""
+
+    def __init__(self, trace, limit: int, dynamic):
+        self.trace, self.limit, self.make_dynamic = trace, limit, dynamic
+        self.programs: dict = {}
+        self.sizes: set = set()
+        self.dynamic = None
+
+    def __call__(self, *args):
+        sizes = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                      else (type(a), a) for a in args)
+        grads = tuple(a.requires_grad for a in args if isinstance(a, torch.Tensor))
+        key = (torch.is_grad_enabled(), grads, sizes)  # training and evaluation: one size, two traces
+        fn = self.programs.get(key)
+        if fn is None and sizes not in self.sizes and len(self.sizes) >= self.limit:
+            if self.dynamic is None:
+                self.dynamic = self.make_dynamic()
+            return self.dynamic(*args)
+        if fn is None:
+            self.sizes.add(sizes)
+            fn = self.programs[key] = self.trace(args)
+        return fn(*[a for a in args if isinstance(a, torch.Tensor)])
+
+
+def _dynamic_dims(gm: fx.GraphModule) -> list[tuple[int, ...] | None]:
+    """Per placeholder, its sequence (chunk or prefix length) dims: what stays symbolic.
+    Sequence-dim inputs carry their symbolic shape from the capture (`meta["val"]`, a SymInt
+    at the sequence dim; parameters and buffers have none), K/V prefixes their sequence dim
+    (`meta["seq_dim"]`, set by the chunk pass); None where neither is recorded (Dynamo decides)."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            out.append(tuple(d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt)))
+        elif isinstance(node.meta.get("seq_dim"), int):
+            out.append((node.meta["seq_dim"],))
+        else:
+            out.append(None)
+    return out
+
+
+def _mark_static(args, dynamic_dims) -> None:
+    """Mark every dim but the sequence dims static for Dynamo: batch, heads, head and model
+    dims become constants rather than symbols (the exported program has them static anyway),
+    which leaves fewer symbols and guards to trace, partition and generate code for."""
+    for arg, dynamic in zip(args, dynamic_dims):
+        if dynamic is None or not isinstance(arg, torch.Tensor):
+            continue
+        for d in range(arg.dim()):
+            if d not in dynamic:
+                torch._dynamo.mark_static(arg, d)
 
 
 def compile_chunk_program(gm: fx.GraphModule, *, backend: str = "inductor", offload: bool = False,

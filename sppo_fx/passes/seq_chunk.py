@@ -428,6 +428,8 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
     prefixes = {}
     for s in sites:
         prefixes[s] = (cb.placeholder(f"{s.name}_k_prefix"), cb.placeholder(f"{s.name}_v_prefix"))
+        for prefix in prefixes[s]:
+            prefix.meta["seq_dim"] = 2  # [b, h_kv, p, d]: the prefix length (codegen compiles only it dynamic)
     start = cb.placeholder("chunk_start")
     cb.length = cb.placeholder("chunk_len")
     partials, kv_out, attention, red_sites = [], [], [], []
