@@ -273,6 +273,9 @@ class SppoCompiled:
                 self._last = entry
                 return entry
         self.plan_for(seq_len_of(tensors, seq_dim))  # fail before tracing
+        if self.options.compile and any(t.device.type == "cpu" for t in tensors):
+            from sppo_fx.codegen.inductor import start_cpu_probe
+            start_cpu_probe()  # overlaps capture and the memory model (codegen/inductor.py)
         try:
             with phase("capturing the model (torch.export)", log):
                 cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)

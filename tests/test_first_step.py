@@ -78,3 +78,21 @@ def test_chunk_zero_traced_at_its_sizes_then_one_dynamic_program(monkeypatch):
     assert seen[:3] == [(2, 0), (4, 0), (4, seen[2][1])] and seen[2][1] >= 1, seen
     assert seen[4] == seen[3] == seen[2], seen
     assert asked.count("inductor") <= 2  # the later chunks: one dynamic program (training, no_grad)
+
+
+def test_a_compiled_first_call_starts_inductors_cpu_probe_on_another_thread(monkeypatch):
+    """Inductor's one-time CPU vector-ISA probe (seconds of subprocesses) runs on a background
+    thread from the start of the first call, overlapping capture and the memory model."""
+    import threading
+    from torch._inductor import cpu_vec_isa
+    from sppo_fx.codegen import inductor
+    called = []
+    monkeypatch.setattr(inductor, "_cpu_probe", None)
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: called.append(threading.current_thread().name))
+    _record_backends(monkeypatch)
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    x = torch.randint(0, 97, (1, 16))
+    sppo_fx.compile(model, chunks=2, compile=True)(x, x).backward()
+    inductor._cpu_probe.join(30)
+    assert called == ["sppo_fx-inductor-cpu-probe"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import torch
 import torch.fx as fx
@@ -128,6 +129,35 @@ def _forward_without_buffer_reuse(gm, example_inputs, **kwargs):
         return compile_fx_inner(gm, example_inputs, **kwargs)
     with inductor_config.patch(allow_buffer_reuse=False, inplace_buffers=False):
         return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+_cpu_probe: threading.Thread | None = None
+
+
+def start_cpu_probe() -> None:
+    """Start Inductor's one-time CPU probe on a background thread, once per process.
+
+    Inductor's first C++ kernel asks which vector ISAs the CPU runs: it builds a test
+    library per ISA and loads each in a fresh Python process (`cpu_vec_isa.valid_vec_isa_list`,
+    cached for the process); 25 s of the bench model's first call on the 2-core test
+    machine, idle in subprocesses. Started when a budgeted first call begins, it overlaps
+    capture and the memory model instead. The modules it uses are imported here, on the
+    caller's thread, so the two threads never import at once; a failure is left for the
+    compile to meet (it calls the same function)."""
+    global _cpu_probe
+    if _cpu_probe is not None:
+        return
+    import torch.utils._filelock  # noqa: F401  (check_build's lock)
+    from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+
+    def probe():
+        try:
+            cpu_vec_isa.valid_vec_isa_list()
+        except Exception:  # noqa: BLE001 - the compile calls it again and reports
+            log.debug("Inductor's CPU probe failed on the background thread", exc_info=True)
+
+    _cpu_probe = threading.Thread(target=probe, name="sppo_fx-inductor-cpu-probe", daemon=True)
+    _cpu_probe.start()
 
 
 class CompiledProgram:
