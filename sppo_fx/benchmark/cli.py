@@ -77,7 +77,7 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     # the commit and load the rows start from: a long grid outlives edits and other jobs
     machine, head = report.machine(), report.commit()
     result = run_grid(configs, rounds=args.rounds, timeout=args.timeout, progress=progress)
-    machine["load_average_1min_end"] = report.machine()["load_average_1min"]
+    machine["load_average_1min_end"] = report.load_average()
     base, notes = add_ratios(result["rows"], args.baseline)
     result.update(machine=machine, commit=head, baseline=base and base["label"], command=" ".join(sys.argv))
     written = list(report.write_records(result, args.out)) if args.out else []  # before anything can fail

@@ -79,12 +79,16 @@ def machine() -> dict:
     except ImportError:
         triton_version = None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = None
     return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
-            "triton": triton_version, "python": platform.python_version(), "load_average_1min": load}
+            "triton": triton_version, "python": platform.python_version(), "load_average_1min": load_average()}
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, None where the OS does not report it."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def commit() -> str | None:

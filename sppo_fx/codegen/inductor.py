@@ -238,17 +238,10 @@ class CompiledProgram:
         phase also runs chunk 0's forward."""
         from functorch.compile import make_boxed_func
         from torch._functorch.aot_autograd import aot_function
+        from sppo_fx.passes.offload import over_tensor_args
         names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
-        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        constants = [None if isinstance(a, torch.Tensor) else a for a in args]  # no tensor kept alive
+        slots, program = over_tensor_args(self.gm, args)
         grad_index = {k: i for k, i in enumerate(slots) if names[i].startswith("p_")}
-        gm = self.gm
-
-        def program(*tensors):
-            full = list(constants)
-            for i, t in zip(slots, tensors):
-                full[i] = t
-            return tuple(gm(*full))
 
         def keep(g, _inputs):
             return make_boxed_func(g.forward)
@@ -359,8 +352,7 @@ class ExactSizeGraphs:
 
     def __init__(self, trace, limit: int, dynamic):
         self.trace, self.limit, self.make_dynamic = trace, limit, dynamic
-        self.programs: dict = {}
-        self.sizes: set = set()
+        self.programs: dict = {}  # (grad mode, requires_grad per tensor, sizes) -> traced program
         self.dynamic = None
 
     def __call__(self, *args):
@@ -369,12 +361,12 @@ class ExactSizeGraphs:
         grads = tuple(a.requires_grad for a in args if isinstance(a, torch.Tensor))
         key = (torch.is_grad_enabled(), grads, sizes)  # training and evaluation: one size, two traces
         fn = self.programs.get(key)
-        if fn is None and sizes not in self.sizes and len(self.sizes) >= self.limit:
-            if self.dynamic is None:
-                self.dynamic = self.make_dynamic()
-            return self.dynamic(*args)
         if fn is None:
-            self.sizes.add(sizes)
+            seen = {k[2] for k in self.programs}
+            if sizes not in seen and len(seen) >= self.limit:
+                if self.dynamic is None:
+                    self.dynamic = self.make_dynamic()
+                return self.dynamic(*args)
             fn = self.programs[key] = self.trace(args)
         return fn(*[a for a in args if isinstance(a, torch.Tensor)])
 

@@ -304,6 +304,22 @@ def fuse_grad_matmul(bw: fx.GraphModule) -> fx.GraphModule:
     return bw
 
 
+def over_tensor_args(fn, args: list):
+    """`fn(*args)` as a function of the tensors among `args` alone, which is what AOTAutograd
+    traces: returns (positions of those tensors in `args`, g) with g(*tensors) calling `fn`
+    on `args` with them in place, its outputs as a tuple. The other arguments (ints) are
+    constants of the trace; `args`' tensors are not kept."""
+    slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    constants = [None if isinstance(a, torch.Tensor) else a for a in args]
+
+    def over_tensors(*tensors):
+        full = list(constants)
+        for i, t in zip(slots, tensors):
+            full[i] = t
+        return tuple(fn(*full))
+    return slots, over_tensors
+
+
 @dataclasses.dataclass
 class PartitionRecord:
     """The graphs one compile produced (what `.graphs` shows)."""

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from sppo_fx.errors import SppoError
 from sppo_fx.passes.aliasing import alias_base as _alias_base
-from sppo_fx.passes.offload import memory_partitioner
+from sppo_fx.passes.offload import memory_partitioner, over_tensor_args
 from sppo_fx.passes.cost.data import SavedTensor, b, c, p
 from sppo_fx.passes.cost.flops import _op_name, _tensors
 from sppo_fx.passes.cost.shapes import _input_specs, _placeholders, _renamed_shape
@@ -177,13 +177,7 @@ def _aot_forwards(program, args: list, partition: str, recomputes=("none",)):
             rec[policy] = (fw, kw["num_fwd_outputs"])
         return fw, bw
 
-    slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def fn(*tensors):
-        full = list(args)
-        for i, t in zip(slots, tensors):
-            full[i] = t
-        return tuple(program.chunk(*full))
+    slots, fn = over_tensor_args(program.chunk, args)
 
     def keep(gm, _inputs):
         return gm
