@@ -71,13 +71,14 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     Returns the record (also what bench.json holds)."""
     from sppo_fx.benchmark import plot, report
     from sppo_fx.benchmark.engine import add_ratios, run_grid
+    from sppo_fx.solver.profile_cache import load_average
     if args.rounds < 1 or args.steps < 1:
         raise SppoError("--rounds and --steps must be at least 1")
     configs = configs_from_args(args)
     # the commit and load the rows start from: a long grid outlives edits and other jobs
     machine, head = report.machine(), report.commit()
     result = run_grid(configs, rounds=args.rounds, timeout=args.timeout, progress=progress)
-    machine["load_average_1min_end"] = report.load_average()
+    machine["load_average_1min_end"] = load_average()
     base, notes = add_ratios(result["rows"], args.baseline)
     result.update(machine=machine, commit=head, baseline=base and base["label"], command=" ".join(sys.argv))
     written = list(report.write_records(result, args.out)) if args.out else []  # before anything can fail

@@ -10,6 +10,7 @@ import subprocess
 from tabulate import tabulate
 
 from sppo_fx.errors import SppoError
+from sppo_fx.solver.profile_cache import load_average
 
 DASH = "–"
 
@@ -81,14 +82,6 @@ def machine() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version(), "load_average_1min": load_average()}
-
-
-def load_average() -> float | None:
-    """The 1-minute load average, None where the OS does not report it."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 def commit() -> str | None:

@@ -93,7 +93,7 @@ def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | 
         if stored is not None:
             log.info("device profile: stored calibration %s (SPPO_FX_RECALIBRATE=1 measures again)", path)
             return stored
-    load = _load_average()
+    load = load_average()
     with phase(f"calibrating the device profile ({device}, {CALIBRATE_SECONDS:g} s of matmuls, copies, disk)", log):
         profile = calibrate(device, seconds=CALIBRATE_SECONDS, dir=dir)
     cores = os.cpu_count() or 1
@@ -110,7 +110,7 @@ def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | 
     return profile
 
 
-def _load_average() -> float | None:
+def load_average() -> float | None:
     """The 1-minute load average (other processes' demand for the cores), None where the
     OS does not report it."""
     try:
