@@ -4,6 +4,7 @@ forward and backward graphs (sppo_fx.passes.offload), the ops they call
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -70,12 +71,10 @@ def test_offload_nodes_follow_producers_and_waits_precede_first_use():
     out = next(n for n in fw_nodes if n.op == "output").args[0]
     assert out[1] not in saved
     bw_nodes = list(rec.backward.graph.nodes)
-    prefetches = [n for n in bw_nodes if n.target is torch.ops.sppo.prefetch.default]
     waits = [n for n in bw_nodes if n.target is torch.ops.sppo.wait.default]
-    assert len(prefetches) == len(waits) == len(rec.slots)
-    first_compute = next(i for i, n in enumerate(bw_nodes) if n.op == "call_function"
-                         and n.target is not torch.ops.sppo.prefetch.default)
-    assert all(bw_nodes.index(p) < first_compute for p in prefetches)  # issued at graph start
+    assert len(waits) == len(rec.slots)
+    # each wait takes the saved handle itself: the reads are the executor's to request
+    assert all(w.args[0].op == "placeholder" for w in waits)
     for w in waits:  # immediately before the first user
         assert bw_nodes[bw_nodes.index(w) + 1] is min(w.users, key=bw_nodes.index)
     assert memory.entries == {}  # every slot was consumed by its wait
@@ -216,20 +215,38 @@ def test_offload_nodes_survive_inductor(tmp_path):
 @pytest.mark.parametrize("policy,offload", [("cheap", "disk"), ("full", None)])
 def test_recompute_through_the_api_is_exact(policy, offload, tmp_path):
     """Each recompute policy through the API equals eager; with offload, the API's graphs
-    show the offload, prefetch and wait nodes the memory passes inserted."""
+    show the offload and wait nodes the memory passes inserted, and the executor requested
+    each chunk's reads before its backward graph waited for any of them."""
     model, x, y = _llama()
     ref, ref_grads = _eager_reference(model, x, y)
     kwargs = dict(offload=offload, offload_dir=str(tmp_path)) if offload else {}
     compiled = sppo_fx.compile(model, chunks=3, compile=False, recompute=policy, **kwargs)
-    loss = compiled(x, y)
-    loss.backward()
+    requested, waited_unrequested, offloaded = set(), [], []
+    real_prefetch, real_wait = ChunkMemory.prefetch, ChunkMemory.wait
+
+    def prefetch(memory):
+        requested.add(id(memory))
+        offloaded.append(memory.offloaded_bytes)
+        return real_prefetch(memory)
+
+    def wait(memory, slot=None):
+        if id(memory) not in requested:
+            waited_unrequested.append(slot)
+        return real_wait(memory, slot)
+
+    with mock.patch.object(ChunkMemory, "prefetch", prefetch), mock.patch.object(ChunkMemory, "wait", wait):
+        loss = compiled(x, y)
+        loss.backward()
+    assert not waited_unrequested
+    if offload:
+        assert sum(offloaded) > 0  # some chunk had reads to request
     _assert_matches(model, loss, ref, ref_grads)
     fw, bw = compiled.graphs["chunk.forward.0"], compiled.graphs["chunk.backward.0"]
     n_saved = len(next(n for n in fw.graph.nodes if n.op == "output").args[0])
     assert n_saved > 0
     if offload:
         assert "torch.ops.sppo.offload.default" in fw.code
-        assert "torch.ops.sppo.prefetch.default" in bw.code and "torch.ops.sppo.wait.default" in bw.code
+        assert "torch.ops.sppo.wait.default" in bw.code
 
 
 def test_unknown_recompute_policy_is_refused():

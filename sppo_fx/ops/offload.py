@@ -1,13 +1,12 @@
-"""Offload, prefetch and wait: the operators the memory pass puts into a chunk program's
-AOT forward and backward graphs (`sppo_fx.passes.offload`).
+"""Offload and wait: the operators the memory pass puts into a chunk program's AOT forward
+and backward graphs (`sppo_fx.passes.offload`).
 
 They are `torch.library` custom ops, so they survive Inductor as extern calls and show
 in the generated code as `torch.ops.sppo.offload.default(...)` etc.
 
     forward                                   backward
-      x = some_op(...)                          h1 = sppo.prefetch(h, slot)    # graph start
-      h = sppo.offload(x, slot)                 ...
-      ... (x may still be read)                 x  = sppo.wait(h1, slot, dim_order)
+      x = some_op(...)                          ...
+      h = sppo.offload(x, slot)                 x  = sppo.wait(h, slot, dim_order)
       return ..., h       # saved: h, not x     ... x's users
                                                 g  = <grad of parameter i>
                                                 sppo.accumulate_grad(g, i)   # into .grad now
@@ -18,7 +17,9 @@ A handle is an *empty* tensor of shape (*x.shape, 0): it owns no memory, and car
 symbolic sizes, dtype and device from the forward graph into the backward graph. What
 data belongs to a slot is runtime state: the `ChunkMemory` of the chunk being run (the
 executor activates it around that chunk's forward and backward with `active_memory`)
-decides keep | offload per slot and hands the tensor back at `wait`.
+decides keep | offload per slot and hands the tensor back at `wait`. Reads are requested
+by the executor before the chunk's backward runs (`ChunkMemory.prefetch()`), not by the
+graph.
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ class SlotMemory(Protocol):
     """What the ops talk to at run time (implemented by `runtime.memory.ChunkMemory`)."""
 
     def offload(self, x: torch.Tensor, slot: int) -> None: ...
-    def prefetch(self, slot: int) -> None: ...
     def wait(self, slot: int) -> torch.Tensor: ...
     def accumulate_grad(self, grad: torch.Tensor, index: int) -> None: ...
     def accumulate_grad_mm(self, a: torch.Tensor, b: torch.Tensor, index: int) -> None: ...
@@ -57,7 +57,7 @@ _active: list[SlotMemory] = []
 
 @contextlib.contextmanager
 def active_memory(memory: SlotMemory | None):
-    """Make `memory` the target of the offload/prefetch/wait ops while the block runs
+    """Make `memory` the target of the offload/wait ops while the block runs
     (None: nothing changes).
 
     Process-wide (not thread-local): on CUDA the autograd engine runs backward graphs on
@@ -104,18 +104,6 @@ def offload(x: torch.Tensor, slot: int) -> torch.Tensor:
 @offload.register_fake
 def _(x, slot):
     return _handle_like(x)
-
-
-@torch.library.custom_op("sppo::prefetch", mutates_args=())
-def prefetch(handle: torch.Tensor, slot: int) -> torch.Tensor:
-    """Start bringing the slot's data back; returns a new handle that `wait` consumes."""
-    _memory("prefetch").prefetch(slot)
-    return torch.empty_like(handle)
-
-
-@prefetch.register_fake
-def _(handle, slot):
-    return torch.empty_like(handle)
 
 
 @torch.library.custom_op("sppo::wait", mutates_args=())

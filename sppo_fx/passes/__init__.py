@@ -20,7 +20,7 @@ AOTAutograd:
     chunk program -> AOTAutograd joint graph
       -> tag_recompute          recompute policy: CheckpointPolicy tags on forward nodes
       -> min-cut partition      forward graph, backward graph
-      -> insert_offload_nodes   sppo.offload after saved tensors, sppo.prefetch / sppo.wait in backward
+      -> insert_offload_nodes   sppo.offload after saved tensors, sppo.wait before their use in backward
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Memory passes on a chunk program's AOTAutograd partition: recompute regions and
-offload / prefetch / wait nodes (docs/architecture.md, section 3 "Memory model": two levels of activations).
+offload / wait nodes (docs/architecture.md, section 3 "Memory model": two levels of activations).
 
 They run inside the partitioner (`memory_partitioner`), i.e. on the joint graph before
 the forward/backward split (recompute tags) and on the two graphs right after it (offload
@@ -17,13 +17,19 @@ activation x (slot k):
 
     forward                                   backward
       x = op(...)                               h  = placeholder          # was x
-      h = sppo.offload(x, k)    # right after   h1 = sppo.prefetch(h, k)  # all at graph start
-      ...                                       ...
-      return (*outs, ..., h, ...)               x  = sppo.wait(h1, k, order)  # before x's first user
+      h = sppo.offload(x, k)    # right after   ...
+      ...                                       x  = sppo.wait(h, k, order)  # before x's first user
+      return (*outs, ..., h, ...)
 
-The prefetch nodes are requests: with a copy window (`Plan.copy_window_bytes`) the chunk's
-`ChunkMemory` queues them and starts each read when what is in flight fits the window, so
-the tensors come back layer by layer during the backward, not all at its start.
+The reads are requested by the executor, not by the graph: `StageRunner.backward` (and a
+schedule's PREFETCH action, earlier) asks the chunk's `ChunkMemory` for all of its slots,
+last produced first, before the backward graph runs. With a copy window
+(`Plan.copy_window_bytes`) the memory queues them and starts each read when what is in
+flight fits the window, so the tensors come back layer by layer during the backward, not
+all at its start; a wait on a read not started yet starts it at once. (Graph nodes for
+these requests were extern calls that Inductor lowers and schedules one by one: about a
+tenth of the backward's compile time on the bench model, for no effect once the executor
+has asked.)
 
 `accumulate_param_grads(bw, grad_index)` sends each parameter gradient to `.grad` as soon
 as the backward produces it, and `fuse_grad_matmul(bw)` folds a linear layer's weight
@@ -139,7 +145,7 @@ def _dim_order(val: torch.Tensor) -> list[int] | None:
 
 def insert_offload_nodes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
                          ) -> tuple[fx.GraphModule, fx.GraphModule, list[OffloadSlot]]:
-    """Route the offloadable saved activations through offload / prefetch / wait nodes.
+    """Route the offloadable saved activations through offload / wait nodes.
 
     Args:
         fw, bw: the partitioner's forward and backward graphs (changed in place).
@@ -162,7 +168,7 @@ def insert_offload_nodes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs
     position = {n: i for i, n in enumerate(bw.graph.nodes)}  # inserting keeps the others' order
 
     slots: list[OffloadSlot] = []
-    routed = []  # (first use in backward, placeholder, slot, dim order, value)
+    routed = []  # (placeholder, slot, dim order, value)
     for k, node in saved:
         val = node.meta["val"]
         order = _dim_order(val)
@@ -177,19 +183,12 @@ def insert_offload_nodes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs
         outs[k] = handle
         ph = bw_inputs[node.name]
         ph.meta["val"] = handle.meta["val"]
-        routed.append((min(map(position.__getitem__, ph.users)), ph, slot, order, val))
+        routed.append((ph, slot, order, val))
         slots.append(OffloadSlot(slot, node.name, str(tuple(val.shape)), val.dtype))
-    # prefetches at the start of backward, in the order their tensors are first needed
-    anchor = _last_placeholder(bw.graph)
-    for first, ph, slot, order, val in sorted(routed, key=lambda r: r[0]):
+    for ph, slot, order, val in routed:
         users = list(ph.users)
-        with bw.graph.inserting_after(anchor):
-            pre = bw.graph.call_function(ops.prefetch.default, (ph, slot))
-        pre.meta["val"] = ph.meta["val"]
-        anchor = pre
-        first_user = min(users, key=position.__getitem__)
-        with bw.graph.inserting_before(first_user):
-            got = bw.graph.call_function(ops.wait.default, (pre, slot, order))
+        with bw.graph.inserting_before(min(users, key=position.__getitem__)):
+            got = bw.graph.call_function(ops.wait.default, (ph, slot, order))
         got.meta["val"] = val
         for u in users:
             u.replace_input_with(ph, got)
@@ -199,14 +198,6 @@ def insert_offload_nodes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs
     fw.recompile()
     bw.recompile()
     return fw, bw, slots
-
-
-def _last_placeholder(graph: fx.Graph) -> fx.Node:
-    last = None
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            last = n
-    return last
 
 
 def accumulate_param_grads(bw: fx.GraphModule, grad_index: dict[int, int]) -> fx.GraphModule:
@@ -337,7 +328,7 @@ def memory_partitioner(recompute: str = "none", offload: bool = True, records: l
 
     Args:
         recompute: the recompute policy (see `tag_recompute`).
-        offload: insert offload/prefetch/wait nodes.
+        offload: insert offload/wait nodes.
         records: a list that gets a `PartitionRecord` per partition.
         grad_index: backward output position -> parameter index, for
             `accumulate_param_grads` (None: gradients leave the graph as usual).

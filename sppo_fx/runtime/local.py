@@ -404,6 +404,10 @@ class StageRunner:
         recvs = [r for r in st.recvs if r.requires_grad]
         recv_grads: list[torch.Tensor | None] = [None] * len(st.recvs)
         if outs:
+            if st.memory is not None:
+                # every read of the chunk requested before its backward graph runs (the graph
+                # only waits); a no-op for reads a PREFETCH action already asked for
+                st.memory.prefetch()
             # backward(inputs=...) accumulates each parameter's gradient into its leaf as soon
             # as it is computed: one copy of the gradients, as eager autograd keeps
             with active_memory(st.memory), self._split(i):

@@ -17,11 +17,10 @@ what offloading holds on the device does not grow with the chunk:
 
     forward   offload(x) hands x to the store's writer; while more than the window is
               waiting to be written, the compute thread waits for the oldest write
-    backward  prefetch requests queue up (the executor's, for a whole chunk, come in
-              reverse production order: the last layer's tensors are needed first; the
-              graph's, for one slot); reads start while the bytes read but not yet
-              consumed by a wait fit the window; a wait on a slot not started yet starts
-              it at once
+    backward  the executor requests a whole chunk's reads before its backward runs, in
+              reverse production order (the last layer's tensors are needed first); reads
+              start while the bytes read but not yet consumed by a wait fit the window; a
+              wait on a slot not started yet starts it at once
 
 Without a window every prefetch starts its read at once and writes are not throttled.
 """
@@ -157,12 +156,12 @@ class ChunkMemory:
         except StoreError:
             pass  # the step is failing with `self.error` already
 
-    def prefetch(self, slot: int | None = None) -> None:
-        """Start reading back one slot, or every offloaded slot (last produced first: a
-        backward needs the last layer's tensors first); with a window, queue the reads."""
-        for s in ([slot] if slot is not None else list(reversed(self.entries))):
-            e = self.entries.get(s)
-            if e is not None and not isinstance(e, torch.Tensor):
+    def prefetch(self) -> None:
+        """Start reading back every offloaded slot, last produced first (a backward needs
+        the last layer's tensors first); with a window, queue the reads. Requested again
+        (by the schedule's PREFETCH, then by `StageRunner.backward`), a read is not repeated."""
+        for e in reversed(self.entries.values()):
+            if not isinstance(e, torch.Tensor):
                 if self.window is None:
                     self.store.prefetch(e)
                 else:
