@@ -172,6 +172,11 @@ class SppoCompiled:
             for model in memory_models(entry.program, entry.captured.seq, params, missing):
                 entry.memory[model.recompute] = model
         device = next((entry.captured.param_value(n).device.type for n in entry.program.params), "cpu")
+        if o.compile and device == "cpu":
+            # after the memory model, whose two traces take both cores (passes/cost/saved_cache.py):
+            # the probe overlaps the solver and chunk 0's trace (codegen/inductor.py)
+            from sppo_fx.codegen.inductor import start_cpu_probe
+            start_cpu_probe()
         profile = self.profile or device_profile(device, dir=o.offload_dir)
         self.profile = profile
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
@@ -273,9 +278,9 @@ class SppoCompiled:
                 self._last = entry
                 return entry
         self.plan_for(seq_len_of(tensors, seq_dim))  # fail before tracing
-        if self.options.compile and any(t.device.type == "cpu" for t in tensors):
+        if self.options.compile and self.options.budget is None and any(t.device.type == "cpu" for t in tensors):
             from sppo_fx.codegen.inductor import start_cpu_probe
-            start_cpu_probe()  # overlaps capture and the memory model (codegen/inductor.py)
+            start_cpu_probe()  # overlaps capture (codegen/inductor.py); with a budget: `_budget_plan`
         try:
             with phase("capturing the model (torch.export)", log):
                 cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)

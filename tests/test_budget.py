@@ -271,6 +271,7 @@ def test_one_trace_partitioned_per_policy_equals_a_trace_per_policy(monkeypatch,
     from torch._functorch import aot_autograd
     from sppo_fx.passes.cost import chunk_cost, chunk_costs
     monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path))  # a cold memory model cache: every call traces
+    monkeypatch.setenv("SPPO_FX_FORK", "off")  # both traces in this process, where they are counted
     torch.manual_seed(0)
     model = build("gpt", "tiny")
     x = torch.randint(0, model.config.vocab_size, (1, 64))

@@ -96,3 +96,27 @@ def test_a_compiled_first_call_starts_inductors_cpu_probe_on_another_thread(monk
     sppo_fx.compile(model, chunks=2, compile=True)(x, x).backward()
     inductor._cpu_probe.join(30)
     assert called == ["sppo_fx-inductor-cpu-probe"]
+
+
+def test_a_budgeted_first_call_starts_the_probe_after_the_memory_model(monkeypatch):
+    """With a budget the probe starts once the memory model is known (its two traces take
+    both cores, passes/cost/saved_cache.py), still on its own thread and before any compile."""
+    import threading
+    from torch._inductor import cpu_vec_isa
+    from sppo_fx.codegen import inductor
+    from sppo_fx.passes.cost import saved_cache
+    events = []
+    monkeypatch.setattr(inductor, "_cpu_probe", None)
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: events.append(threading.current_thread().name))
+    real = saved_cache.stored_saved_tensors_for_examples
+    monkeypatch.setattr(saved_cache, "stored_saved_tensors_for_examples",
+                        lambda *a, **k: (events.append("memory model"), real(*a, **k))[1])
+    import sppo_fx.passes.cost.model as cost_model
+    monkeypatch.setattr(cost_model, "stored_saved_tensors_for_examples", saved_cache.stored_saved_tensors_for_examples)
+    _record_backends(monkeypatch)
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    x = torch.randint(0, 97, (1, 64))
+    sppo_fx.compile(model, budget="64MiB", compile=True)(x, x).backward()
+    inductor._cpu_probe.join(30)
+    assert events == ["memory model", "sppo_fx-inductor-cpu-probe"]

@@ -171,3 +171,33 @@ def test_a_new_process_reads_the_memory_model_this_one_stored(tmp_path, monkeypa
     second = res.stdout.strip()
     assert second.splitlines()[0] == "phases ['memory model: read from cache']", second
     assert second.splitlines()[-1] == first.splitlines()[-1]  # same plan, same loss
+
+
+@pytest.mark.skipif(not __import__("sppo_fx.forked").forked.can_fork(),
+                    reason="needs Linux with more than one CPU (os.fork) and SPPO_FX_FORK not off")
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_the_first_chunk_traced_in_a_forked_process_gives_the_same_model(cold, tmp_path, monkeypatch, cache):
+    """With a cold cache the first chunk's trace runs in a forked child while this process
+    traces the example chunk (saved_cache.stored_saved_tensors_for_examples); the model is
+    the one two traces here give. With the cache off the child's result comes back through
+    its pipe alone."""
+    import shutil
+    from sppo_fx.passes.cost import chunk_costs
+    monkeypatch.setenv("SPPO_FX_MEMORY_MODEL_CACHE", cache)
+    program, seq, params = _llama()
+    kw = dict(params=params, partition="min_cut", recomputes=("none", "cheap"))
+    forked = chunk_costs(program, seq, **kw)
+    assert len(cold) == 1, "this process traced the first chunk too"
+    assert len(_stored(tmp_path)) == (2 if cache == "on" else 0)  # the child stored its own
+    saved_cache.forget()
+    shutil.rmtree(tmp_path / "memory_model", ignore_errors=True)
+    monkeypatch.setenv("SPPO_FX_FORK", "off")
+    del cold[:]
+    here = chunk_costs(program, seq, **kw)
+    assert len(cold) == 2
+    for policy in kw["recomputes"]:
+        a, b = forked[policy], here[policy]
+        assert a.saved_first is not None and a.example == b.example
+        assert [dataclasses.astuple(s) for s in a.saved_first] == [dataclasses.astuple(s) for s in b.saved_first]
+        assert [dataclasses.astuple(s) for s in a.saved] == [dataclasses.astuple(s) for s in b.saved]
+        assert a.level2_bytes == b.level2_bytes

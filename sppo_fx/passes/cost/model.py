@@ -8,8 +8,8 @@ import torch
 
 from sppo_fx.passes.cost.data import ChunkCost, p
 from sppo_fx.passes.cost.flops import _tensors, node_cost
-from sppo_fx.passes.cost.saved import example_inputs
-from sppo_fx.passes.cost.saved_cache import stored_saved_tensors_by_policy
+from sppo_fx.passes.cost.saved import _static_dims, choose_example, example_inputs
+from sppo_fx.passes.cost.saved_cache import stored_saved_tensors_by_policy, stored_saved_tensors_for_examples
 from sppo_fx.passes.cost.shapes import _input_specs, symbolic_values, traced_batch
 
 aten = torch.ops.aten
@@ -62,11 +62,15 @@ def chunk_costs(program, captured_seq=None, *, params: list[torch.Tensor] | None
     batch = traced_batch(program, captured_seq)
     nodes = _node_costs(program, captured_seq, values, batch)
     kw = dict(params=params, seq=captured_seq, partition=partition, device=device, recomputes=recomputes)
-    saved_by, ex = stored_saved_tensors_by_policy(program, values, batch, example=example, **kw)
     # The first chunk has no prefix; attention may take another path there (the reference
     # path uses is_causal SDPA and saves no mask), so its saved set is traced on its own.
-    first_by = (stored_saved_tensors_by_policy(program, values, batch, example=(ex[0], 0), **kw)[0]
-                if first_chunk else {})
+    ex = example or choose_example(_static_dims(values), batch)
+    if first_chunk:
+        (saved_by, ex), (first_by, _) = stored_saved_tensors_for_examples(program, values, batch,
+                                                                          [ex, (ex[0], 0)], **kw)
+    else:
+        saved_by, ex = stored_saved_tensors_by_policy(program, values, batch, example=ex, **kw)
+        first_by = {}
     fwd = sympy.expand(sympy.Add(*[n.fwd_flops for n in nodes]))
     bwd = sympy.expand(sympy.Add(*[n.bwd_flops for n in nodes]))
     out = {}

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import pickle
+import time
 
 import sympy
 import torch
@@ -172,6 +173,18 @@ def stored_saved_tensors_by_policy(program, values, batch: int, *, params: list[
         with phase(what, log):
             return saved_tensors_by_policy(program, values, batch, **kw)
     path = _path(key)
+    stored = _lookup(path, key)
+    if stored is not None:
+        return stored
+    with phase(what, log):
+        result = saved_tensors_by_policy(program, values, batch, **kw)
+    _memo[path] = _copy(result)
+    _write(path, key, result)
+    return result
+
+
+def _lookup(path: str, key: dict):
+    """The result kept in this process's memo or stored in `path`, else None."""
     if path in _memo:
         log.info("memory model: read from cache %s (kept in this process)", path)
         return _copy(_memo[path])
@@ -183,8 +196,49 @@ def stored_saved_tensors_by_policy(program, values, batch: int, *, params: list[
         log.info("memory model: read from cache %s", path)
         _memo[path] = stored
         return _copy(stored)
-    with phase(what, log):
-        result = saved_tensors_by_policy(program, values, batch, **kw)
-    _memo[path] = _copy(result)
-    _write(path, key, result)
-    return result
+    return None
+
+
+def _is_stored(program, batch: int, kw: dict) -> bool:
+    if not enabled(ENV):
+        return False
+    try:
+        path = _path(memory_model_key(program, batch, **kw))
+    except Exception:  # noqa: BLE001 - no key: it will be traced
+        return False
+    return path in _memo or os.path.exists(path)
+
+
+def stored_saved_tensors_for_examples(program, values, batch: int, examples: list[tuple[int, int]], *,
+                                      params: list[torch.Tensor] | None = None, device=None, **kw) -> list:
+    """`stored_saved_tensors_by_policy` at each of two examples (the example chunk and the
+    first chunk, `p0 = 0`), in order. When both must be traced on CPU, the second is traced
+    in a forked child process while this one traces the first (`sppo_fx/forked.py`): two
+    AOTAutograd traces are Python work that one process can only run one after the other.
+    The child stores its result on disk like this process; its result is kept in this
+    process's memo too. Same results as calling `stored_saved_tensors_by_policy` twice."""
+    import functools
+    from sppo_fx.forked import ForkedCall, can_fork
+
+    calls = [functools.partial(stored_saved_tensors_by_policy, program, values, batch, example=e,
+                               params=params, device=device, **kw) for e in examples]
+    on_cpu = (torch.device(device).type if device is not None
+              else (params[0].device.type if params else "cpu")) == "cpu"
+    if not (len(calls) == 2 and on_cpu and can_fork()) or any(
+            _is_stored(program, batch, dict(kw, params=params, device=device, example=e)) for e in examples):
+        return [call() for call in calls]
+    recomputes = "/".join(dict.fromkeys(kw.get("recomputes", ("none",))))
+    what = (f"memory model: saved activations under recompute {recomputes} (AOTAutograd partitions; "
+            "the first chunk's traced in a forked process)")
+    with phase(what, log), ForkedCall(calls[1], "the first chunk's memory model") as child:
+        t0 = time.perf_counter()
+        first = calls[0]()
+        # the two traces take about as long: a child far slower than this one is stuck
+        second = child.result(timeout=max(60.0, 2.0 * (time.perf_counter() - t0)))
+    if enabled(ENV):
+        try:
+            key = memory_model_key(program, batch, params=params, device=device, example=examples[1], **kw)
+            _memo[_path(key)] = _copy(second)
+        except Exception:  # noqa: BLE001 - the memo is an optimisation
+            pass
+    return [first, second]

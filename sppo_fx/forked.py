@@ -1,0 +1,147 @@
+"""Run one CPU-bound Python computation in a forked child while this process runs another.
+
+Tracing a chunk program with AOTAutograd is Python work that holds the GIL: two traces in
+one process take the sum of their times, whatever the core count. A forked child starts
+with this process's memory (the captured program, its parameters, every imported module)
+at the cost of a page-table copy, so it can take one of the traces and send back its
+pickled result while this process does the other.
+
+    with ForkedCall(fn, "the first chunk's memory model") as call:
+        mine = other_work()
+        theirs = call.result()        # fn()'s value, computed in the child
+
+`result()` computes `fn()` here instead (and says why, at debug level) when no child was
+forked, or when the child failed, died, or sent nothing within the timeout: a child can
+only ever make the call faster, never change what it returns. A child is forked only on
+Linux, with more than one CPU, and when `SPPO_FX_FORK=off` is not set. Callers fork only
+for work on CPU tensors: a child of a process that has initialised CUDA cannot use it.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+from typing import Callable
+
+from sppo_fx.disk_cache import enabled
+from sppo_fx.log import get_logger
+
+log = get_logger(__name__)
+ENV = "SPPO_FX_FORK"
+
+
+def can_fork() -> bool:
+    """Whether `ForkedCall` forks: Linux, more than one usable CPU, `SPPO_FX_FORK` not off."""
+    if not sys.platform.startswith("linux") or not enabled(ENV):
+        return False
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except OSError:  # pragma: no cover - affinity unknown
+        return (os.cpu_count() or 1) > 1
+
+
+class ForkedCall:
+    """`fn()` computed in a forked child (see the module docstring).
+
+    Args:
+        fn: the computation; its result must pickle. It runs in the child with one
+            intra-op thread and sppo_fx's log messages off (the parent reports).
+        what: a label for debug messages.
+        fork: False computes `fn()` in `result()`, in this process.
+    """
+
+    def __init__(self, fn: Callable[[], object], what: str, fork: bool = True):
+        self.fn, self.what = fn, what
+        self.pid: int | None = None
+        self.fd: int | None = None
+        self.started = time.perf_counter()
+        if not (fork and can_fork()):
+            return
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            os.close(r)
+            _run_child(fn, w)
+        os.close(w)
+        self.pid, self.fd = pid, r
+
+    def __enter__(self) -> "ForkedCall":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def result(self, timeout: float | None = None):
+        """`fn()`'s value: the child's, or computed here if the child has none (`timeout`
+        seconds from now at most; None waits as long as the child runs)."""
+        if self.pid is None:
+            return self.fn()
+        try:
+            payload = _read_all(self.fd, timeout)
+        finally:
+            self._stop()
+        why = "sent nothing in time" if payload is None else None
+        if payload is not None:
+            try:
+                status, value = pickle.loads(payload)
+            except Exception as e:  # noqa: BLE001 - a truncated message: the child died writing
+                status, value = "error", f"{type(e).__name__}: {e}"
+            if status == "ok":
+                log.debug("%s: computed in a forked child (%.1f s)", self.what, time.perf_counter() - self.started)
+                return value
+            why = f"failed: {value}"
+        log.debug("%s: the forked child %s; computing it here", self.what, why)
+        return self.fn()
+
+    def _stop(self) -> None:
+        """Close the pipe and reap the child (killed if it still runs)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.pid is not None:
+            pid, self.pid = self.pid, None
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done == 0:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+            except ChildProcessError:  # pragma: no cover - reaped elsewhere
+                pass
+
+
+def _run_child(fn, fd: int) -> None:
+    code = 0
+    try:
+        import logging
+        logging.getLogger("sppo_fx").disabled = True  # the parent reports the phase
+        import torch
+        torch.set_num_threads(1)  # the parent keeps its cores; and no thread pool to re-create
+        payload = pickle.dumps(("ok", fn()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which computes it itself
+        payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+        code = 1
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+    finally:
+        os._exit(code)  # no atexit handlers, no buffered output of the parent's flushed twice
+
+
+def _read_all(fd: int, timeout: float | None) -> bytes | None:
+    """Everything written to `fd` until its writer closes it; None if `timeout` passes first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    chunks = []
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            return None
+        data = os.read(fd, 1 << 20)
+        if not data:
+            return b"".join(chunks)
+        chunks.append(data)

@@ -1,0 +1,70 @@
+"""`sppo_fx/forked.py`: a computation run in a forked child comes back from the child, and
+whatever goes wrong there (an error, a hang, no fork) it is computed in this process instead."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from sppo_fx.forked import ForkedCall, can_fork
+
+needs_fork = pytest.mark.skipif(not can_fork(), reason="needs Linux with more than one CPU (os.fork, "
+                                                       "os.sched_getaffinity) and SPPO_FX_FORK not off")
+
+
+@needs_fork
+def test_the_value_is_computed_in_another_process():
+    here = os.getpid()
+    with ForkedCall(lambda: (os.getpid(), [1, 2, 3] * 1000), "pid") as call:
+        pid, data = call.result(timeout=60)
+    assert pid != here and data == [1, 2, 3] * 1000
+
+
+@needs_fork
+def test_a_child_that_fails_is_computed_here():
+    here = os.getpid()
+
+    def fn():
+        if os.getpid() != here:
+            raise RuntimeError("only in the child")
+        return "here"
+
+    with ForkedCall(fn, "fails in the child") as call:
+        assert call.result(timeout=60) == "here"
+
+
+@needs_fork
+def test_a_child_that_hangs_is_killed_and_computed_here():
+    here = os.getpid()
+
+    def fn():
+        if os.getpid() != here:
+            time.sleep(60)
+        return "here"
+
+    t0 = time.monotonic()
+    with ForkedCall(fn, "hangs in the child") as call:
+        child = call.pid
+        assert call.result(timeout=0.5) == "here"
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(ChildProcessError):  # reaped: no zombie left behind
+        os.waitpid(child, os.WNOHANG)
+
+
+def test_without_fork_it_is_computed_here(monkeypatch):
+    monkeypatch.setenv("SPPO_FX_FORK", "off")
+    assert not can_fork()
+    call = ForkedCall(os.getpid, "off")
+    assert call.pid is None and call.result() == os.getpid()
+
+
+@needs_fork
+def test_leaving_the_block_early_kills_the_child():
+    here = os.getpid()
+    with pytest.raises(KeyboardInterrupt):
+        with ForkedCall(lambda: time.sleep(60) if os.getpid() != here else None, "interrupted") as call:
+            child = call.pid
+            raise KeyboardInterrupt
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child, os.WNOHANG)
