@@ -112,6 +112,10 @@ def main() -> None:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from {CONFIGS}")
+    from sppo_fx.benchmark.report import commit
+    from sppo_fx.solver.profile_cache import load_average
+    # taken before the first worker runs: edits made while it runs do not change the record
+    provenance = {"commit": commit(), "load_average_1min": load_average()}
     results = {}
     with tempfile.TemporaryDirectory(prefix="sppo_first_step_") as tmp:
         caches = {"torch.compile": os.path.join(tmp, "tc"), "sppo budget": os.path.join(tmp, "sppo")}
@@ -126,7 +130,8 @@ def main() -> None:
     _report(args, results, budget)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "budget": budget, "results": results}, f, indent=2)
+            json.dump({"args": vars(args), **provenance, "load_average_1min_end": load_average(),
+                       "budget": budget, "results": results}, f, indent=2)
 
 
 def _report(args, results: dict, budget: int) -> None:

@@ -48,7 +48,7 @@ class ForkedCall:
 
     Args:
         fn: the computation; its result must pickle. It runs in the child with one
-            intra-op thread and sppo_fx's log messages off (the parent reports).
+            intra-op thread and logging off (the parent reports).
         what: a label for debug messages.
         fork: False computes `fn()` in `result()`, in this process.
     """
@@ -116,7 +116,7 @@ def _run_child(fn, fd: int) -> None:
     code = 0
     try:
         import logging
-        logging.getLogger("sppo_fx").disabled = True  # the parent reports the phase
+        logging.disable(logging.CRITICAL)  # the parent reports the phase; the child says nothing
         import torch
         torch.set_num_threads(1)  # the parent keeps its cores; and no thread pool to re-create
         payload = pickle.dumps(("ok", fn()))

@@ -272,3 +272,22 @@ def test_a_timed_out_row_says_which_plan_it_was_running():
     assert _timed_out(5, None)["error"] == "timed out after 5 s"
     last = "[sppo_fx] plan: 2 chunks, predicted step 1 s\n"
     assert _timed_out(5, last)["error"] == "timed out after 5 s (plan: 2 chunks, predicted step 1 s)"
+
+
+def test_first_step_script_records_its_commit_and_load(tmp_path):
+    """bench/first_step.py runs each configuration in its own process and writes a record
+    that says which code it measured and how loaded the machine was (eager only: seconds)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "first.json"
+    res = subprocess.run([sys.executable, os.path.join(root, "bench", "first_step.py"), "--size", "tiny",
+                          "--seq-len", "32", "--configs", "eager", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["commit"] and len(record["commit"].split("+")[0]) == 40
+    assert record["load_average_1min"] >= 0 and record["load_average_1min_end"] >= 0
+    assert record["results"]["eager"]["first_s"] > 0 and record["budget"] > 0

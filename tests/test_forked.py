@@ -68,3 +68,26 @@ def test_leaving_the_block_early_kills_the_child():
             raise KeyboardInterrupt
     with pytest.raises(ChildProcessError):
         os.waitpid(child, os.WNOHANG)
+
+
+@needs_fork
+def test_the_child_logs_nothing(capfd):
+    """The parent reports the work (its progress lines); the child's own log messages would
+    print twice (its stderr is the parent's)."""
+    import logging
+    import sys
+    here = os.getpid()
+    log = logging.getLogger("sppo_fx.passes.cost.saved_cache")
+    handler = logging.StreamHandler(sys.stderr)
+    log.addHandler(handler)
+
+    def fn():
+        log.warning("said by %s", "the child" if os.getpid() != here else "this process")
+        return 1
+
+    try:
+        with ForkedCall(fn, "logs") as call:
+            assert call.result(timeout=60) == 1
+    finally:
+        log.removeHandler(handler)
+    assert "said by the child" not in capfd.readouterr().err
