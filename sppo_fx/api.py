@@ -309,7 +309,7 @@ class SppoCompiled:
         """The transformed graphs by name: captured (analysed), prologue, chunk, epilogue;
         with offload or recompute, also the chunk program's AOT forward and backward graphs
         after the memory passes ("chunk.forward.K" / "chunk.backward.K" for its K-th
-        compile: the offload/prefetch/wait nodes are there)."""
+        compile: the offload/wait nodes are there)."""
         if self._last is None and self.pipeline is not None:  # this rank's stage program
             p = self.pipeline
             return {"captured": p.graph, "prologue": p.program.prologue, "chunk": p.program.chunk,

@@ -24,6 +24,7 @@ import select
 import signal
 import sys
 import time
+import warnings
 from typing import Callable
 
 from sppo_fx.disk_cache import enabled
@@ -60,8 +61,22 @@ class ForkedCall:
         self.started = time.perf_counter()
         if not (fork and can_fork()):
             return
-        r, w = os.pipe()
-        pid = os.fork()
+        try:
+            r, w = os.pipe()
+        except OSError as e:  # out of descriptors: compute it here
+            log.debug("%s: no pipe (%s); computing it here", what, e)
+            return
+        try:
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns that a multi-threaded process forks: this code's threads
+                # (progress lines, Inductor's probe, the store) hold no lock the child needs
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError as e:  # no memory or process slots for a child: compute it here
+            os.close(r)
+            os.close(w)
+            log.debug("%s: no fork (%s); computing it here", what, e)
+            return
         if pid == 0:  # the child: never returns
             os.close(r)
             _run_child(fn, w)
@@ -79,11 +94,13 @@ class ForkedCall:
         seconds from now at most; None waits as long as the child runs)."""
         if self.pid is None:
             return self.fn()
+        why = "sent nothing in time"
         try:
             payload = _read_all(self.fd, timeout)
+        except OSError as e:
+            payload, why = None, f"could not be read ({e})"
         finally:
             self._stop()
-        why = "sent nothing in time" if payload is None else None
         if payload is not None:
             try:
                 status, value = pickle.loads(payload)
@@ -133,13 +150,14 @@ def _run_child(fn, fd: int) -> None:
 def _read_all(fd: int, timeout: float | None) -> bytes | None:
     """Everything written to `fd` until its writer closes it; None if `timeout` passes first."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    poller = select.poll()  # not select.select: it refuses descriptors >= 1024
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     chunks = []
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             return None
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
+        if not poller.poll(None if left is None else max(1, int(left * 1000))):
             return None
         data = os.read(fd, 1 << 20)
         if not data:

@@ -91,3 +91,15 @@ def test_the_child_logs_nothing(capfd):
     finally:
         log.removeHandler(handler)
     assert "said by the child" not in capfd.readouterr().err
+
+
+@needs_fork
+def test_a_fork_that_fails_is_computed_here(monkeypatch):
+    """No memory or process slot for a child (ENOMEM, EAGAIN): no error, no open pipe."""
+    def no_fork():
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(os, "fork", no_fork)
+    before = len(os.listdir("/proc/self/fd"))
+    call = ForkedCall(os.getpid, "no fork")
+    assert call.pid is None and call.result() == os.getpid()
+    assert len(os.listdir("/proc/self/fd")) == before

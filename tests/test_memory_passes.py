@@ -1,4 +1,4 @@
-"""The memory passes: offload / prefetch / wait nodes and recompute regions in the AOT
+"""The memory passes: offload / wait nodes and recompute regions in the AOT
 forward and backward graphs (sppo_fx.passes.offload), the ops they call
 (sppo_fx.ops.offload) and the per-chunk runtime state (sppo_fx.runtime.memory)."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sppo_fx.models import build
 from sppo_fx.ops.offload import MatmulGrad, active_memory
 from sppo_fx.passes.offload import fuse_grad_matmul, memory_partitioner
 from sppo_fx.plan import Plan
-from sppo_fx.runtime.local import chunked_loss
+from sppo_fx.runtime.local import StageRunner, chunked_loss
 from sppo_fx.runtime.memory import ChunkMemory
 from sppo_fx.runtime.store import ActivationStore
 from sppo_fx.solver.budget import MemoryModel, solve
@@ -221,20 +221,23 @@ def test_recompute_through_the_api_is_exact(policy, offload, tmp_path):
     ref, ref_grads = _eager_reference(model, x, y)
     kwargs = dict(offload=offload, offload_dir=str(tmp_path)) if offload else {}
     compiled = sppo_fx.compile(model, chunks=3, compile=False, recompute=policy, **kwargs)
-    requested, waited_unrequested, offloaded = set(), [], []
+    requested, waited_unrequested, offloaded = [], [], []
     real_prefetch, real_wait = ChunkMemory.prefetch, ChunkMemory.wait
 
     def prefetch(memory):
-        requested.add(id(memory))
+        requested.append(memory)  # the objects themselves: an id may be reused once one is freed
         offloaded.append(memory.offloaded_bytes)
         return real_prefetch(memory)
 
     def wait(memory, slot=None):
-        if id(memory) not in requested:
+        if not any(m is memory for m in requested):
             waited_unrequested.append(slot)
         return real_wait(memory, slot)
 
-    with mock.patch.object(ChunkMemory, "prefetch", prefetch), mock.patch.object(ChunkMemory, "wait", wait):
+    # without the executor's look-ahead (`StageRunner.prefetch`, one chunk ahead): the
+    # request that must precede the backward graph is `StageRunner.backward`'s own
+    with mock.patch.object(ChunkMemory, "prefetch", prefetch), mock.patch.object(ChunkMemory, "wait", wait), \
+            mock.patch.object(StageRunner, "prefetch", lambda runner, mb, i: None):
         loss = compiled(x, y)
         loss.backward()
     assert not waited_unrequested

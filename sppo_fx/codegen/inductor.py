@@ -140,8 +140,9 @@ def start_cpu_probe() -> None:
     Inductor's first C++ kernel asks which vector ISAs the CPU runs: it builds a test
     library per ISA and loads each in a fresh Python process (`cpu_vec_isa.valid_vec_isa_list`,
     cached for the process); 25 s of the bench model's first call on the 2-core test
-    machine, idle in subprocesses. Started when a budgeted first call begins, it overlaps
-    capture and the memory model instead. The modules it uses are imported here, on the
+    machine, idle in subprocesses. Started when a first call begins (with a budget: once
+    the memory model is known, whose two traces take both cores), it overlaps capture, the
+    solver and chunk 0's trace instead. The modules it uses are imported here, on the
     caller's thread, so the two threads never import at once; a failure is left for the
     compile to meet (it calls the same function)."""
     global _cpu_probe
@@ -170,7 +171,7 @@ class CompiledProgram:
         backend: "inductor" (C++/Triton code) or "eager" (AOTAutograd's forward and backward
             graphs run op by op: the same graphs, no codegen).
         offload: partition with the memory passes (`sppo_fx.passes.offload`): saved
-            activations go through offload/prefetch/wait nodes that the executor's
+            activations go through offload/wait nodes that the executor's
             `ChunkMemory` serves.
         recompute: recompute policy of the memory passes ("none", "cheap", "full").
         eager_empty_prefix: with backend "inductor", chunk 0 (`chunk_start` 0, an empty
@@ -409,7 +410,7 @@ def compile_chunk_program(gm: fx.GraphModule, *, backend: str = "inductor", offl
     Args:
         gm: the chunk program.
         backend: "inductor" or "eager" (see `CompiledProgram`).
-        offload: insert offload/prefetch/wait nodes for saved activations.
+        offload: insert offload/wait nodes for saved activations.
         recompute: recompute policy ("none", "cheap", "full").
         eager_empty_prefix: run chunk 0 (empty K/V prefix) without Inductor (see
             `CompiledProgram`); False when chunk 0 is the whole sequence.

@@ -22,7 +22,7 @@ what offloading holds on the device does not grow with the chunk:
               start while the bytes read but not yet consumed by a wait fit the window; a
               wait on a slot not started yet starts it at once
 
-Without a window every prefetch starts its read at once and writes are not throttled.
+Without a window every requested read starts at once and writes are not throttled.
 """
 from __future__ import annotations
 

@@ -220,6 +220,7 @@ def stored_saved_tensors_for_examples(program, values, batch: int, examples: lis
     import functools
     from sppo_fx.forked import ForkedCall, can_fork
 
+    kw = dict(kw, recomputes=tuple(dict.fromkeys(kw.get("recomputes", ("none",)))))  # as the keys are made
     calls = [functools.partial(stored_saved_tensors_by_policy, program, values, batch, example=e,
                                params=params, device=device, **kw) for e in examples]
     on_cpu = (torch.device(device).type if device is not None
@@ -227,7 +228,7 @@ def stored_saved_tensors_for_examples(program, values, batch: int, examples: lis
     if not (len(calls) == 2 and on_cpu and can_fork()) or any(
             _is_stored(program, batch, dict(kw, params=params, device=device, example=e)) for e in examples):
         return [call() for call in calls]
-    recomputes = "/".join(dict.fromkeys(kw.get("recomputes", ("none",))))
+    recomputes = "/".join(kw["recomputes"])
     what = (f"memory model: saved activations under recompute {recomputes} (AOTAutograd partitions; "
             "the first chunk's traced in a forked process)")
     with phase(what, log), ForkedCall(calls[1], "the first chunk's memory model") as child:
