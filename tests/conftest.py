@@ -182,3 +182,13 @@ class StoreTraffic:
             return t
 
         store.offload, store.wait = counted_offload, counted_wait
+
+
+def _can_fork():
+    from sppo_fx.forked import can_fork
+    return can_fork()
+
+
+# tests of sppo_fx/forked.py's fork path (it computes in this process where it cannot fork)
+needs_fork = pytest.mark.skipif(not _can_fork(), reason="needs Linux with more than one CPU (os.fork, "
+                                                        "os.sched_getaffinity) and SPPO_FX_FORK not off")

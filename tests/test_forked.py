@@ -9,8 +9,7 @@ import pytest
 
 from sppo_fx.forked import ForkedCall, can_fork
 
-needs_fork = pytest.mark.skipif(not can_fork(), reason="needs Linux with more than one CPU (os.fork, "
-                                                       "os.sched_getaffinity) and SPPO_FX_FORK not off")
+from conftest import needs_fork
 
 
 @needs_fork

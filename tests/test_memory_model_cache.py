@@ -18,7 +18,7 @@ import torch
 from sppo_fx.passes.cost import saved as saved_mod
 from sppo_fx.passes.cost import saved_cache, symbolic_values, traced_batch
 
-from conftest import tiny_program
+from conftest import needs_fork, tiny_program
 
 
 @pytest.fixture
@@ -173,8 +173,7 @@ def test_a_new_process_reads_the_memory_model_this_one_stored(tmp_path, monkeypa
     assert second.splitlines()[-1] == first.splitlines()[-1]  # same plan, same loss
 
 
-@pytest.mark.skipif(not __import__("sppo_fx.forked").forked.can_fork(),
-                    reason="needs Linux with more than one CPU (os.fork) and SPPO_FX_FORK not off")
+@needs_fork
 @pytest.mark.parametrize("cache", ["on", "off"])
 def test_the_first_chunk_traced_in_a_forked_process_gives_the_same_model(cold, tmp_path, monkeypatch, cache):
     """With a cold cache the first chunk's trace runs in a forked child while this process

@@ -199,14 +199,14 @@ def _lookup(path: str, key: dict):
     return None
 
 
-def _is_stored(program, batch: int, kw: dict) -> bool:
+def _stored_path(program, batch: int, kw: dict) -> str | None:
+    """Where the result for these arguments is kept; None with the cache off or no key."""
     if not enabled(ENV):
-        return False
+        return None
     try:
-        path = _path(memory_model_key(program, batch, **kw))
+        return _path(memory_model_key(program, batch, **kw))
     except Exception:  # noqa: BLE001 - no key: it will be traced
-        return False
-    return path in _memo or os.path.exists(path)
+        return None
 
 
 def stored_saved_tensors_for_examples(program, values, batch: int, examples: list[tuple[int, int]], *,
@@ -223,10 +223,9 @@ def stored_saved_tensors_for_examples(program, values, batch: int, examples: lis
     kw = dict(kw, recomputes=tuple(dict.fromkeys(kw.get("recomputes", ("none",)))))  # as the keys are made
     calls = [functools.partial(stored_saved_tensors_by_policy, program, values, batch, example=e,
                                params=params, device=device, **kw) for e in examples]
-    on_cpu = (torch.device(device).type if device is not None
-              else (params[0].device.type if params else "cpu")) == "cpu"
-    if not (len(calls) == 2 and on_cpu and can_fork()) or any(
-            _is_stored(program, batch, dict(kw, params=params, device=device, example=e)) for e in examples):
+    paths = [_stored_path(program, batch, dict(kw, params=params, device=device, example=e)) for e in examples]
+    stored = any(path is not None and (path in _memo or os.path.exists(path)) for path in paths)
+    if stored or not (len(calls) == 2 and _device(device, params)["type"] == "cpu" and can_fork()):
         return [call() for call in calls]
     recomputes = "/".join(kw["recomputes"])
     what = (f"memory model: saved activations under recompute {recomputes} (AOTAutograd partitions; "
@@ -236,10 +235,6 @@ def stored_saved_tensors_for_examples(program, values, batch: int, examples: lis
         first = calls[0]()
         # the two traces take about as long: a child far slower than this one is stuck
         second = child.result(timeout=max(60.0, 2.0 * (time.perf_counter() - t0)))
-    if enabled(ENV):
-        try:
-            key = memory_model_key(program, batch, params=params, device=device, example=examples[1], **kw)
-            _memo[_path(key)] = _copy(second)
-        except Exception:  # noqa: BLE001 - the memo is an optimisation
-            pass
+    if paths[1] is not None:
+        _memo[paths[1]] = _copy(second)
     return [first, second]
