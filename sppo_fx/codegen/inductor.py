@@ -40,11 +40,14 @@ class CodegenStats:
         compiles: graphs compiled through Dynamo (1 + recompiles).
         graph_inputs: for each of those, the example input shapes it saw (ints for scalars).
         exact_traces: chunk 0's programs traced at its exact sizes (`CompiledProgram._trace_exact`).
+        backward_in_child: compiles whose backward graph a forked child compiled into
+            Inductor's cache, where this process then found it (`sppo_fx/codegen/split_compile.py`).
     """
 
     compiles: int = 0
     graph_inputs: list = dataclasses.field(default_factory=list)
     exact_traces: int = 0
+    backward_in_child: int = 0
 
 
 # Chunk-0 sizes traced exactly (no Dynamo) before chunk 0 gets one dynamic-shape program:
@@ -66,13 +69,17 @@ def _partitioner_class():
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class SppoMemoryPartitioner(CustomPartitionerFn):
-        def __init__(self, recompute: str, offload: bool, records: list | None = None, grad_index=None):
+        def __init__(self, recompute: str, offload: bool, records: list | None = None, grad_index=None,
+                     split=None):
             from sppo_fx.passes.offload import memory_partitioner
-            self.recompute, self.offload = recompute, offload
+            self.recompute, self.offload, self.split = recompute, offload, split
             self.fn = memory_partitioner(recompute, offload, records, grad_index)
 
         def __call__(self, gm, joint_inputs, **kw):
-            return self.fn(gm, joint_inputs, **kw)
+            graphs = self.fn(gm, joint_inputs, **kw)
+            if self.split is not None:  # the backward graph compiles in a forked child
+                self.split.fork()
+            return graphs
 
         def __reduce__(self):
             return _make_partitioner, (self.recompute, self.offload)
@@ -91,18 +98,24 @@ def _make_partitioner(recompute: str, offload: bool):
     return _partitioner_class()(recompute, offload)
 
 
-def _inner_compile(what: str, offload: bool):
+def _inner_compile(what: str, offload: bool, split=None):
     """Inductor's inner compile of one program's forward and backward graphs. The backward
-    graph is compiled lazily, at the first backward, outside the compile phase that Dynamo's
-    backend call opened: it gets a phase of its own (`what` + " backward"), so the progress
-    lines and `log.record_phases` show it. With `offload`, buffer reuse is off in the
-    forward graph (`_forward_without_buffer_reuse`)."""
+    graph gets a phase of its own (`what` + " backward"): where it is compiled lazily, at the
+    first backward, that is outside the compile phase that Dynamo's backend call opened, and
+    the progress lines and `log.record_phases` still show it. With `offload`, buffer reuse
+    is off in the forward graph (`_forward_without_buffer_reuse`). With `split` (a
+    `BackwardInChild`), a forked child compiles the backward graph while this process
+    compiles the forward graph (`sppo_fx/codegen/split_compile.py`)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     def inner(gm, example_inputs, **kwargs):
         if kwargs.get("is_backward"):
             with phase(f"{what} backward", log):
+                if split is not None:
+                    return split.compile_backward(lambda: compile_fx_inner(gm, example_inputs, **kwargs))
                 return compile_fx_inner(gm, example_inputs, **kwargs)
+        if split is not None and split.in_child:
+            return split.forward_stub(gm)
         if offload:
             return _forward_without_buffer_reuse(gm, example_inputs, **kwargs)
         return compile_fx_inner(gm, example_inputs, **kwargs)
@@ -159,6 +172,13 @@ def start_cpu_probe() -> None:
 
     _cpu_probe = threading.Thread(target=probe, name="sppo_fx-inductor-cpu-probe", daemon=True)
     _cpu_probe.start()
+
+
+def _join_cpu_probe() -> None:
+    """Wait for the CPU probe's thread (before a fork: the child must not inherit its locks
+    mid-use; the compile needs its answer anyway)."""
+    if _cpu_probe is not None:
+        _cpu_probe.join()
 
 
 class CompiledProgram:
@@ -300,13 +320,22 @@ class CompiledProgram:
             return aot_autograd(fw_compiler=keep, bw_compiler=keep,
                                 partition_fn=self._partition_fn(self._grad_index(graph)))(graph, example_inputs)
         from torch._inductor.compile_fx import compile_fx
+        from sppo_fx.codegen import split_compile
+        split = None
+        if self._dynamic and torch.is_grad_enabled() and split_compile.eligible(example_inputs):
+            split = split_compile.BackwardInChild(self._what, before_fork=_join_cpu_probe)
         patches = {"custom_partitioner_fn": _partitioner_class()(self.recompute, self.offload, self.partitions,
-                                                                 self._grad_index(graph))}
+                                                                 self._grad_index(graph), split)}
         from torch._functorch import config as functorch_config
-        # the CPU chunk attention's autograd.Function may be cached (module docstring)
-        with functorch_config.patch(autograd_cache_allow_custom_autograd_functions=True):
-            return compile_fx(graph, example_inputs, config_patches=patches,
-                              inner_compile=_inner_compile(self._what, self.offload))
+        try:
+            # the CPU chunk attention's autograd.Function may be cached (module docstring)
+            with functorch_config.patch(autograd_cache_allow_custom_autograd_functions=True):
+                return compile_fx(graph, example_inputs, config_patches=patches,
+                                  inner_compile=_inner_compile(self._what, self.offload, split))
+        finally:
+            if split is not None:
+                split.leave()  # the child never returns from here
+                self.stats.backward_in_child += split.from_child
 
     def __call__(self, *args):
         # Without duck shaping, a prefix as long as the chunk does not get the chunk's
