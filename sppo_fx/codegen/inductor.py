@@ -16,6 +16,9 @@ never reused. On CPU the chunk attention is an autograd.Function (`sppo_fx/atten
 the graph (forward and backward bodies, both in the key); torch refuses such graphs for the
 AOTAutograd cache unless told they are safe, which ours are: the bodies are all it does.
 On a hit no partition runs, so `CompiledProgram.partitions` has no record of that compile.
+
+On CPU, a forked child compiles the backward graph into the FX graph cache while this process
+compiles the forward graph (`sppo_fx/codegen/split_compile.py`).
 """
 from __future__ import annotations
 
