@@ -172,13 +172,14 @@ class SppoCompiled:
             for model in memory_models(entry.program, entry.captured.seq, params, missing):
                 entry.memory[model.recompute] = model
         device = next((entry.captured.param_value(n).device.type for n in entry.program.params), "cpu")
-        if o.compile and device == "cpu":
-            # after the memory model, whose two traces take both cores (passes/cost/saved_cache.py):
-            # the probe overlaps the solver and chunk 0's trace (codegen/inductor.py)
-            from sppo_fx.codegen.inductor import start_cpu_probe
-            start_cpu_probe()
         profile = self.profile or device_profile(device, dir=o.offload_dir)
         self.profile = profile
+        if o.compile and device == "cpu":
+            # after the memory model, whose two traces take both cores (passes/cost/saved_cache.py),
+            # and after a calibration, whose matmuls it would slow: the probe's compiles overlap
+            # the solver and chunk 0's trace (codegen/inductor.py)
+            from sppo_fx.codegen.inductor import start_cpu_probe
+            start_cpu_probe()
         bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
         # the skeleton can only leave the device for a tier
         skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)

@@ -100,7 +100,9 @@ def test_a_compiled_first_call_starts_inductors_cpu_probe_on_another_thread(monk
 
 def test_a_budgeted_first_call_starts_the_probe_after_the_memory_model(monkeypatch):
     """With a budget the probe starts once the memory model is known (its two traces take
-    both cores, passes/cost/saved_cache.py), still on its own thread and before any compile."""
+    both cores, passes/cost/saved_cache.py) and the device profile too (a calibration's
+    matmuls would share the cores with the probe's compiles), still on its own thread and
+    before any compile."""
     import threading
     from torch._inductor import cpu_vec_isa
     from sppo_fx.codegen import inductor
@@ -113,10 +115,14 @@ def test_a_budgeted_first_call_starts_the_probe_after_the_memory_model(monkeypat
                         lambda *a, **k: (real(*a, **k), events.append("memory model"))[0])  # once it is known
     import sppo_fx.passes.cost.model as cost_model
     monkeypatch.setattr(cost_model, "stored_saved_tensors_for_examples", saved_cache.stored_saved_tensors_for_examples)
+    from sppo_fx.solver import profile_cache
+    real_profile = profile_cache.device_profile
+    monkeypatch.setattr(profile_cache, "device_profile",
+                        lambda *a, **k: (real_profile(*a, **k), events.append("device profile"))[0])
     _record_backends(monkeypatch)
     torch.manual_seed(0)
     model = build("llama", "tiny")
     x = torch.randint(0, 97, (1, 64))
     sppo_fx.compile(model, budget="64MiB", compile=True)(x, x).backward()
     inductor._cpu_probe.join(30)
-    assert events == ["memory model", "sppo_fx-inductor-cpu-probe"]
+    assert events == ["memory model", "device profile", "sppo_fx-inductor-cpu-probe"]

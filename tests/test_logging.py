@@ -95,7 +95,7 @@ def test_a_calibration_on_a_busy_cpu_is_flagged(caplog, tmp_path, monkeypatch):
     caplog.set_level(logging.INFO, logger="sppo_fx")
     for load, busy in ((3.1, True), (0.2, False)):
         caplog.clear()
-        monkeypatch.setattr(profile_cache, "load_average", lambda load=load: load)
+        monkeypatch.setattr(profile_cache, "others_runnable", lambda load=load: load)
         profile = profile_cache.device_profile("cpu", refresh=True)
-        assert f"load average {load:.1f} on 2 cores" in profile.source
+        assert f"{load:.1f} other runnable threads on 2 cores" in profile.source
         assert ("on an idle machine with SPPO_FX_RECALIBRATE=1" in caplog.text) is busy, caplog.text

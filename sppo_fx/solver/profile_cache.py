@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import tempfile
+import time
 
 from sppo_fx.disk_cache import cache_root, enabled, write_atomically
 from sppo_fx.log import get_logger, phase
@@ -93,21 +94,39 @@ def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | 
         if stored is not None:
             log.info("device profile: stored calibration %s (SPPO_FX_RECALIBRATE=1 measures again)", path)
             return stored
-    load = load_average()
+    load = others_runnable()
     with phase(f"calibrating the device profile ({device}, {CALIBRATE_SECONDS:g} s of matmuls, copies, disk)", log):
         profile = calibrate(device, seconds=CALIBRATE_SECONDS, dir=dir)
     cores = os.cpu_count() or 1
     if load is not None:
-        profile.source = f"{profile.source}; load average {load:.1f} on {cores} cores before calibrating"
+        profile.source = f"{profile.source}; {load:.1f} other runnable threads on {cores} cores before calibrating"
     if load is not None and str(device).startswith("cpu") and load >= BUSY_LOAD_PER_CORE * cores:
         # the figures are what a shared CPU does now (profiles.calibrate): they outlive the
         # load, so say so where the user looks when predicted step times are far off
-        log.warning("calibrated the device profile while the machine was busy (load average %.1f on %d cores): "
-                    "its FLOP rate is low and step-time predictions will be too slow; refresh it on an idle "
-                    "machine with SPPO_FX_RECALIBRATE=1", load, cores)
+        log.warning("calibrated the device profile while the machine was busy (%.1f other runnable threads on "
+                    "%d cores): its FLOP rate is low and step-time predictions will be too slow; refresh it on "
+                    "an idle machine with SPPO_FX_RECALIBRATE=1", load, cores)
     if use_cache:
         _write(path, key, profile)
     return profile
+
+
+def others_runnable(samples: int = 10, interval_s: float = 0.01) -> float | None:
+    """Threads of other processes (or other threads of this one) that want a core now: the
+    kernel's count of runnable threads (`/proc/loadavg`'s fourth field) less the caller,
+    averaged over `samples` readings; None where the OS does not report it. Unlike the
+    1-minute load average, it leaves out this process's own work of the last minute (a
+    first call traces its memory model in two processes just before it calibrates)."""
+    counts = []
+    for k in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return None
+        if k + 1 < samples:
+            time.sleep(interval_s)
+    return max(0.0, sum(counts) / len(counts))
 
 
 def load_average() -> float | None:
