@@ -33,6 +33,7 @@ import pickle
 import select
 import signal
 import sys
+import threading
 import time
 import warnings
 from typing import Callable, NoReturn
@@ -42,16 +43,48 @@ from sppo_fx.log import get_logger
 
 log = get_logger(__name__)
 ENV = "SPPO_FX_FORK"
+LOADAVG = "/proc/loadavg"  # "0.52 0.61 0.70 3/412 12345": the 4th field is runnable/all threads
 
 
 def can_fork() -> bool:
-    """Whether `ForkedCall` forks: Linux, more than one usable CPU, `SPPO_FX_FORK` not off."""
+    """Whether `ForkedCall` and `ForkedChild`'s users fork: Linux, more than one usable CPU,
+    `SPPO_FX_FORK` not off."""
     if not sys.platform.startswith("linux") or not enabled(ENV):
         return False
+    return usable_cpus() > 1
+
+
+def others_runnable(samples: int = 10, interval_s: float = 0.01) -> float | None:
+    """Threads of other processes (or other threads of this one) that want a core now: the
+    kernel's count of runnable threads (`/proc/loadavg`'s fourth field) less the caller,
+    averaged over `samples` readings; None where the OS does not report it. Unlike the
+    1-minute load average, it leaves out this process's own work of the last minute (a
+    first call traces its memory model in two processes just before it calibrates)."""
+    counts = []
+    for k in range(samples):
+        try:
+            with open(LOADAVG) as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return None
+        if k + 1 < samples:
+            time.sleep(interval_s)
+    return max(0.0, sum(counts) / len(counts))
+
+
+def a_core_is_free() -> bool:
+    """Whether a forked child would have a core of its own: on average at most the usable
+    cores less two (this process's and the child's) other runnable threads. On a machine
+    whose cores are taken (a test suite's workers, other jobs) a child only adds overheads."""
+    others = others_runnable(samples=5)
+    return others is None or others < usable_cpus() - 1.5
+
+
+def usable_cpus() -> int:
     try:
-        return len(os.sched_getaffinity(0)) > 1
-    except OSError:  # pragma: no cover - affinity unknown
-        return (os.cpu_count() or 1) > 1
+        return len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):  # pragma: no cover - affinity unknown
+        return os.cpu_count() or 1
 
 
 class ForkedChild:
@@ -61,7 +94,9 @@ class ForkedChild:
     one this is) and False when none was (no pipe, no fork: the caller does the work itself).
     The child ends with `exit_with(payload)`, never by returning past its caller's frames;
     this process reads the payload with `receive(timeout)` and reaps the child with `stop()`
-    (which kills it if it still runs).
+    (which kills it if it still runs) or `detach()` (which lets it finish and reaps it in the
+    background: for a child whose own subprocesses write files that a kill would leave
+    half-written). `exit_status` is the child's exit code once it is reaped here.
 
     Args:
         what: a label for debug messages.
@@ -72,6 +107,7 @@ class ForkedChild:
         self.pid: int | None = None
         self.fd: int | None = None
         self.in_child = False
+        self.exit_status: int | None = None
         self.started = time.perf_counter()
 
     def fork(self) -> bool:
@@ -82,8 +118,9 @@ class ForkedChild:
             return False
         try:
             with warnings.catch_warnings():
-                # Python >= 3.12 warns that a multi-threaded process forks: this code's threads
-                # (progress lines, the store's copies) hold no lock the child needs
+                # Python >= 3.12 warns that a multi-threaded process forks: a lock another
+                # thread (progress lines, the store's copies) held at the fork stays held in
+                # the child; the caller's timeout is what bounds a child stuck on one
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
         except OSError as e:  # no memory or process slots for a child: the caller does it here
@@ -93,9 +130,12 @@ class ForkedChild:
             return False
         self.started = time.perf_counter()
         if pid == 0:
-            os.close(r)
-            self.in_child, self.fd = True, w
-            _quiet_child()
+            try:
+                os.close(r)
+                self.in_child, self.fd = True, w
+                _quiet_child()
+            except BaseException:  # noqa: BLE001 - the child must never return into the caller
+                os._exit(1)
         else:
             os.close(w)
             self.pid, self.fd = pid, r
@@ -110,32 +150,56 @@ class ForkedChild:
         finally:
             os._exit(code)
 
-    def receive(self, timeout: float | None) -> tuple[bytes | None, str]:
+    def receive(self, timeout: float | None, kill: bool = True) -> tuple[bytes | None, str]:
         """In this process: the child's payload (None if there is none) and why there is
-        none; the child is reaped either way."""
+        none. Then the child is reaped: `stop()`, or `detach()` when not `kill`."""
         try:
             payload = _read_all(self.fd, timeout)
             why = "sent nothing in time" if payload is None else ""
         except OSError as e:
             payload, why = None, f"could not be read ({e})"
         finally:
-            self.stop()
+            if kill or payload is not None:  # a child that sent everything is exiting
+                self.stop()
+            else:
+                self.detach()
+        if payload == b"" and self.exit_status is not None:
+            why = f"exited with status {self.exit_status} and sent nothing"
         return payload, why
 
     def stop(self) -> None:
         """Close the pipe and reap the child (killed if it still runs)."""
-        if self.fd is not None and not self.in_child:
-            os.close(self.fd)
-            self.fd = None
+        self._close()
         if self.pid is not None:
             pid, self.pid = self.pid, None
             try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
+                done, status = os.waitpid(pid, os.WNOHANG)
                 if done == 0:
                     os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
+                    _, status = os.waitpid(pid, 0)
+                self.exit_status = os.waitstatus_to_exitcode(status)
             except ChildProcessError:  # pragma: no cover - reaped elsewhere
                 pass
+
+    def detach(self) -> None:
+        """Close the pipe and let the child run to its end; a daemon thread reaps it (a
+        child still running when this process exits is left to finish alone)."""
+        self._close()
+        if self.pid is not None:
+            pid, self.pid = self.pid, None
+            threading.Thread(target=_reap, args=(pid,), daemon=True, name="sppo_fx-reap-child").start()
+
+    def _close(self) -> None:
+        if self.fd is not None and not self.in_child:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # pragma: no cover - reaped elsewhere
+        pass
 
 
 def _quiet_child() -> None:
@@ -194,13 +258,16 @@ class ForkedCall:
 
 
 def _run_child(fn, child: ForkedChild) -> NoReturn:
-    code = 0
+    payload, code = b"", 1
     try:
-        payload = pickle.dumps(("ok", fn()))
+        payload, code = pickle.dumps(("ok", fn())), 0
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which computes it itself
-        payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
-        code = 1
-    child.exit_with(payload, code)
+        try:
+            payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+        except BaseException:  # noqa: BLE001 - an exception that cannot be described
+            pass
+    finally:
+        child.exit_with(payload, code)
 
 
 def _read_all(fd: int, timeout: float | None) -> bytes | None:

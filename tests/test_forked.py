@@ -102,3 +102,23 @@ def test_a_fork_that_fails_is_computed_here(monkeypatch):
     call = ForkedCall(os.getpid, "no fork")
     assert call.pid is None and call.result() == os.getpid()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_core_is_free_only_when_the_others_leave_one(monkeypatch):
+    """A child needs a core of its own: with N usable cores, at most N - 2 other runnable
+    threads on average."""
+    from sppo_fx import forked
+    monkeypatch.setattr(forked, "usable_cpus", lambda: 4)
+    for others, free in ((0.0, True), (2.0, True), (2.6, False), (7.0, False), (None, True)):
+        monkeypatch.setattr(forked, "others_runnable", lambda samples=10, others=others: others)
+        assert forked.a_core_is_free() is free, others
+
+
+def test_others_runnable_reads_the_kernels_count_less_the_caller(tmp_path, monkeypatch):
+    from sppo_fx import forked
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.52 0.61 0.70 3/412 12345\n")
+    monkeypatch.setattr(forked, "LOADAVG", str(loadavg))
+    assert forked.others_runnable(samples=2, interval_s=0) == 2.0
+    loadavg.write_text("not a loadavg\n")
+    assert forked.others_runnable(samples=2, interval_s=0) is None

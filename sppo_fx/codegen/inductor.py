@@ -81,7 +81,7 @@ def _partitioner_class():
         def __call__(self, gm, joint_inputs, **kw):
             graphs = self.fn(gm, joint_inputs, **kw)
             if self.split is not None:  # the backward graph compiles in a forked child
-                self.split.fork()
+                self.split.fork(graphs[1])
             return graphs
 
         def __reduce__(self):
@@ -177,11 +177,13 @@ def start_cpu_probe() -> None:
     _cpu_probe.start()
 
 
-def _join_cpu_probe() -> None:
-    """Wait for the CPU probe's thread (before a fork: the child must not inherit its locks
-    mid-use; the compile needs its answer anyway)."""
+def _join_cpu_probe(timeout_s: float = 60.0) -> bool:
+    """Wait for the CPU probe's thread, at most `timeout_s`; whether it has ended (before a
+    fork: the child must not inherit its locks mid-use; the compile needs its answer anyway)."""
     if _cpu_probe is not None:
-        _cpu_probe.join()
+        _cpu_probe.join(timeout_s)
+        return not _cpu_probe.is_alive()
+    return True
 
 
 class CompiledProgram:

@@ -22,9 +22,9 @@ import json
 import os
 import platform
 import tempfile
-import time
 
 from sppo_fx.disk_cache import cache_root, enabled, write_atomically
+from sppo_fx.forked import others_runnable
 from sppo_fx.log import get_logger, phase
 from sppo_fx.solver.profiles import DeviceProfile, calibrate
 
@@ -109,24 +109,6 @@ def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | 
     if use_cache:
         _write(path, key, profile)
     return profile
-
-
-def others_runnable(samples: int = 10, interval_s: float = 0.01) -> float | None:
-    """Threads of other processes (or other threads of this one) that want a core now: the
-    kernel's count of runnable threads (`/proc/loadavg`'s fourth field) less the caller,
-    averaged over `samples` readings; None where the OS does not report it. Unlike the
-    1-minute load average, it leaves out this process's own work of the last minute (a
-    first call traces its memory model in two processes just before it calibrates)."""
-    counts = []
-    for k in range(samples):
-        try:
-            with open("/proc/loadavg") as f:
-                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
-        except (OSError, ValueError, IndexError):
-            return None
-        if k + 1 < samples:
-            time.sleep(interval_s)
-    return max(0.0, sum(counts) / len(counts))
 
 
 def load_average() -> float | None:
