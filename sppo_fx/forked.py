@@ -43,6 +43,9 @@ from sppo_fx.log import get_logger
 
 log = get_logger(__name__)
 ENV = "SPPO_FX_FORK"
+# a child that has closed its pipe is in `os._exit`; tearing down a large address space
+# on a busy machine takes a moment, and a kill meanwhile would hide its exit status
+EXIT_GRACE_S = 5.0
 LOADAVG = "/proc/loadavg"  # "0.52 0.61 0.70 3/412 12345": the 4th field is runnable/all threads
 
 
@@ -159,7 +162,9 @@ class ForkedChild:
         except OSError as e:
             payload, why = None, f"could not be read ({e})"
         finally:
-            if kill or payload is not None:  # a child that sent everything is exiting
+            if payload is not None:  # a child that sent everything is exiting: let it
+                self.stop(grace_s=EXIT_GRACE_S)
+            elif kill:
                 self.stop()
             else:
                 self.detach()
@@ -167,13 +172,18 @@ class ForkedChild:
             why = f"exited with status {self.exit_status} and sent nothing"
         return payload, why
 
-    def stop(self) -> None:
-        """Close the pipe and reap the child (killed if it still runs)."""
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Close the pipe and reap the child: killed if it still runs `grace_s` seconds
+        from now."""
         self._close()
         if self.pid is not None:
             pid, self.pid = self.pid, None
             try:
+                deadline = time.perf_counter() + grace_s
                 done, status = os.waitpid(pid, os.WNOHANG)
+                while done == 0 and time.perf_counter() < deadline:
+                    time.sleep(0.005)
+                    done, status = os.waitpid(pid, os.WNOHANG)
                 if done == 0:
                     os.kill(pid, signal.SIGKILL)
                     _, status = os.waitpid(pid, 0)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sppo_fx.forked import ForkedCall, can_fork
+from sppo_fx.forked import ForkedCall, ForkedChild, can_fork
 
 from conftest import needs_fork
 
@@ -122,3 +122,21 @@ def test_others_runnable_reads_the_kernels_count_less_the_caller(tmp_path, monke
     assert forked.others_runnable(samples=2, interval_s=0) == 2.0
     loadavg.write_text("not a loadavg\n")
     assert forked.others_runnable(samples=2, interval_s=0) is None
+
+
+@needs_fork
+def test_a_child_that_sent_everything_is_let_exit_not_killed():
+    """A child is slow to exit after its pipe closes (a large address space to tear down on a
+    busy machine): `receive` reaps it with its own exit status, not a kill's."""
+    child = ForkedChild("test")
+    assert child.fork()
+    if child.in_child:
+        try:
+            os.write(child.fd, b"done")
+            os.close(child.fd)
+            time.sleep(0.5)
+        finally:
+            os._exit(3)
+    payload, why = child.receive(30)
+    assert payload == b"done" and why == ""
+    assert child.exit_status == 3
