@@ -184,9 +184,15 @@ def test_the_first_chunk_traced_in_a_forked_process_gives_the_same_model(cold, t
     from sppo_fx.passes.cost import chunk_costs
     monkeypatch.setenv("SPPO_FX_MEMORY_MODEL_CACHE", cache)
     program, seq, params = _llama()
+    from sppo_fx.log import record_phases
     kw = dict(params=params, partition="min_cut", recomputes=("none", "cheap"))
-    forked = chunk_costs(program, seq, **kw)
+    with record_phases() as phases:
+        forked = chunk_costs(program, seq, **kw)
     assert len(cold) == 1, "this process traced the first chunk too"
+    # one progress line for both traces, not a nested one for this process's own
+    assert [name for name, _ in phases if name.startswith("memory model")] == [
+        "memory model: saved activations under recompute none/cheap (AOTAutograd partitions; "
+        "the first chunk's traced in a forked process)"]
     assert len(_stored(tmp_path)) == (2 if cache == "on" else 0)  # the child stored its own
     saved_cache.forget()
     shutil.rmtree(tmp_path / "memory_model", ignore_errors=True)

@@ -19,6 +19,7 @@ differs, or that cannot be read, is ignored and overwritten.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -156,28 +157,31 @@ def _write(path: str, key: dict, result) -> None:
 
 def stored_saved_tensors_by_policy(program, values, batch: int, *, params: list[torch.Tensor] | None = None,
                                    seq=None, partition: str = "default", example: tuple[int, int] | None = None,
-                                   device=None, recomputes=("none",)
+                                   device=None, recomputes=("none",), announce: bool = True
                                    ) -> tuple[dict[str, list[SavedTensor]], tuple[int, int]]:
     """`saved.saved_tensors_by_policy`, from this process's memo or the disk cache when
-    stored there, else computed (AOTAutograd) and stored. Same arguments and result."""
+    stored there, else computed (AOTAutograd) and stored. Same arguments and result.
+    `announce=False` leaves the progress line to a caller that reports a larger phase."""
     recomputes = tuple(dict.fromkeys(recomputes))
     kw = dict(params=params, seq=seq, partition=partition, example=example, device=device, recomputes=recomputes)
     what = f"memory model: saved activations under recompute {'/'.join(recomputes)} (AOTAutograd partitions)"
-    if not enabled(ENV):
-        with phase(what, log):
+
+    def traced():
+        with phase(what, log) if announce else contextlib.nullcontext():
             return saved_tensors_by_policy(program, values, batch, **kw)
+
+    if not enabled(ENV):
+        return traced()
     try:
         key = memory_model_key(program, batch, **kw)
     except Exception as e:  # noqa: BLE001 - the cache never fails a call; the trace says what is wrong
         log.debug("memory model: no cache key (%s: %s); tracing", type(e).__name__, e)
-        with phase(what, log):
-            return saved_tensors_by_policy(program, values, batch, **kw)
+        return traced()
     path = _path(key)
     stored = _lookup(path, key)
     if stored is not None:
         return stored
-    with phase(what, log):
-        result = saved_tensors_by_policy(program, values, batch, **kw)
+    result = traced()
     _memo[path] = _copy(result)
     _write(path, key, result)
     return result
@@ -232,7 +236,7 @@ def stored_saved_tensors_for_examples(program, values, batch: int, examples: lis
             "the first chunk's traced in a forked process)")
     with phase(what, log), ForkedCall(calls[1], "the first chunk's memory model") as child:
         t0 = time.perf_counter()
-        first = calls[0]()
+        first = calls[0](announce=False)  # this phase reports both traces
         # the two traces take about as long: a child far slower than this one is stuck
         second = child.result(timeout=max(60.0, 2.0 * (time.perf_counter() - t0)))
     if paths[1] is not None:
