@@ -6,8 +6,9 @@ bash scripts/setup.sh
 # Two workers (SPPO_TEST_WORKERS; 0 runs in this process) with one OpenMP thread each:
 # most of the suite is single-threaded tracing and compiling, so two workers use both cores,
 # while OpenMP threads spinning on an oversubscribed CPU would slow every worker down.
-# --dist loadgroup with no test marked hands out one test at a time, which balanced the
-# long tests better here than the default (17.3 vs 19.0 min). Tests that start rank
+# --dist loadgroup hands out one test at a time, which balanced the long tests better here
+# than the default (17.3 vs 19.0 min), and keeps a module marked with an xdist_group on one
+# worker (tests/test_chunk_attention.py, whose Triton subprocesses start once per worker). Tests that start rank
 # processes may run beside another test; their peer timeouts allow for that.
 exec env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest -q \
     -n "${SPPO_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -158,6 +158,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_forked_backward_compile(monkeypatch):
+    """Compiles in the suite's processes keep the backward graph here: whether a compile
+    forks would otherwise depend on the other worker's load at that instant
+    (`split_compile.a_core_is_free`). tests/test_split_compile.py turns it back on."""
+    from sppo_fx.codegen import split_compile
+    monkeypatch.setattr(split_compile, "a_core_is_free", lambda: False)
+
+
 class StoreTraffic:
     """Counts what goes through an ActivationStore: bytes handed to `offload` and bytes
     `wait` returned, wrapping the instance's methods (the store's own counters say what is

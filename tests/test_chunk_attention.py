@@ -24,6 +24,9 @@ from torch.nn.attention.bias import causal_lower_right
 from sppo_fx.ops import chunk_attention, chunk_attention_with_lse, segmented_chunk_attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# one xdist worker runs this module (`--dist loadgroup`): the module fixture starts the
+# Triton subprocesses in every worker that runs one of its tests, twice the CPU on 2 cores
+pytestmark = pytest.mark.xdist_group("chunk_attention")
 
 
 def sdpa_reference(q, k, v, scale=None, causal=True):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sppo_fx.models import build
-from sppo_fx.runtime.launch import free_port, run_local_ranks, start_local_ranks
+from sppo_fx.runtime.launch import run_local_ranks, start_local_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_pipeline.py")
@@ -168,8 +168,9 @@ def test_ranks_that_disagree_are_stopped_before_a_step():
 
 
 def test_torchrun_launch(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), SCRIPT, "--model", "gpt", "--layers", "2",
+    # --standalone: the rendezvous binds a port the OS picks (none found free and bound later)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          SCRIPT, "--model", "gpt", "--layers", "2",
                           "--seq-len", "24", "--chunks", "3", "--steps", "2", "--lr", "0.1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -3,20 +3,23 @@ benchmarks that need each rank's output; real jobs use torchrun)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class LocalRanks(list):
+    """The rank processes (`subprocess.Popen`), rank 0 first, and `store`: the rendezvous
+    store they join, served by this process. Keep this object while the ranks run."""
+    store = None
 
 
-def start_local_ranks(cmd: list[str], world: int, capture: bool = True, **popen_kwargs) -> list[subprocess.Popen]:
+def start_local_ranks(cmd: list[str], world: int, capture: bool = True, **popen_kwargs) -> LocalRanks:
     """Start `world` processes of `cmd` with torchrun's rendezvous environment.
+
+    As torchrun's agent does, this process serves the rendezvous store (on a port the OS
+    picks while it binds) and the ranks join it as clients. A port found free and bound by
+    rank 0 seconds later, once it has imported torch, could be taken meanwhile by another
+    job on the machine (a test suite's other worker starts ranks too).
 
     Args:
         cmd: the command every rank runs.
@@ -25,15 +28,18 @@ def start_local_ranks(cmd: list[str], world: int, capture: bool = True, **popen_
         **popen_kwargs: passed to subprocess.Popen (e.g. cwd).
 
     Returns:
-        The processes, rank 0 first. Each has one OpenMP thread, as under torchrun.
+        The processes, rank 0 first, with the store. Each has one OpenMP thread, as under
+        torchrun.
     """
-    port = free_port()
+    import torch.distributed as dist
+    procs = LocalRanks()
+    procs.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     if capture:
         popen_kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    procs = []
     for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(procs.store.port), RANK=str(rank),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                   TORCHELASTIC_USE_AGENT_STORE="True")  # join this process's store, as under torchrun
         procs.append(subprocess.Popen(cmd, env=env, **popen_kwargs))
     return procs
 
