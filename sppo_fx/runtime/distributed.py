@@ -201,7 +201,8 @@ class PipelineExecutor:
 
     def _store_call(self, fn):
         """fn()'s result, or None if it raises or takes longer than `_STORE_WAIT_S`: the
-        rendezvous store is served by rank 0, which may be the rank that hangs (a stopped
+        rendezvous store may be served by rank 0 (launched without torchrun's agent, which
+        serves it otherwise), and rank 0 may be the rank that hangs (a stopped
         process keeps its sockets open, so a store call would block for the store's own
         timeout). After one call times out the store is not used again."""
         if self._store_stuck:
