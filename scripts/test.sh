@@ -8,7 +8,8 @@ bash scripts/setup.sh
 # while OpenMP threads spinning on an oversubscribed CPU would slow every worker down.
 # --dist loadgroup hands out one test at a time, which balanced the long tests better here
 # than the default (17.3 vs 19.0 min), and keeps a module marked with an xdist_group on one
-# worker (tests/test_chunk_attention.py, whose Triton subprocesses start once per worker). Tests that start rank
-# processes may run beside another test; their peer timeouts allow for that.
+# worker (tests/test_chunk_attention.py, whose Triton subprocesses start once per worker).
+# Tests that start rank processes may run beside another test; their peer timeouts allow
+# for that.
 exec env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest -q \
     -n "${SPPO_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -181,10 +181,10 @@ def test_the_first_chunk_traced_in_a_forked_process_gives_the_same_model(cold, t
     the one two traces here give. With the cache off the child's result comes back through
     its pipe alone."""
     import shutil
+    from sppo_fx.log import record_phases
     from sppo_fx.passes.cost import chunk_costs
     monkeypatch.setenv("SPPO_FX_MEMORY_MODEL_CACHE", cache)
     program, seq, params = _llama()
-    from sppo_fx.log import record_phases
     kw = dict(params=params, partition="min_cut", recomputes=("none", "cheap"))
     with record_phases() as phases:
         forked = chunk_costs(program, seq, **kw)
