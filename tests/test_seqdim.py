@@ -1,6 +1,8 @@
 """Unit tests of the sequence-dimension analysis on hand-built FX graphs."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -129,3 +131,64 @@ def test_loss_combined_with_per_token_values_is_refused(hand):
     centred = hand.call(aten.sub.Tensor, h, m)
     with pytest.raises(SppoError, match="combines a value reduced over the sequence"):
         analyse(hand.output(hand.call(aten.sum.default, centred)), hand.seq, hand.params)
+
+
+# ---- ops that work along one dim, index and repeat: token-local unless the sequence dim is involved
+def _hidden(hand):
+    """[2, T, 3] hidden states computed from token ids."""
+    ids = hand.input("ids", (2, hand.T), torch.int64)
+    return hand.call(aten.embedding.default, hand.param("w", (5, 3)), ids)
+
+
+def _const_index(hand):
+    return hand.param("idx", (2,), torch.int64)
+
+
+def _first(hand, node):
+    """The node, or its first output (topk and sort return values and indices)."""
+    return hand.call(operator.getitem, node, 0) if isinstance(node.meta["val"], tuple) else node
+
+
+@pytest.mark.parametrize("build", [
+    lambda hand, h: hand.call(aten.topk.default, h, 2),                   # dim -1 (MoE routing)
+    lambda hand, h: hand.call(aten.sort.default, h, 2),
+    lambda hand, h: hand.call(aten.cumsum.default, h, -1),
+    lambda hand, h: hand.call(aten.repeat_interleave.self_int, h, 2, -1),  # rotary tables (Cohere)
+    lambda hand, h: hand.call(aten.repeat.default, h, [3, 1, 2]),
+    lambda hand, h: hand.call(aten.index.Tensor, h, [None, None, _const_index(hand)]),  # picks hidden
+], ids=["topk", "sort", "cumsum", "repeat_interleave", "repeat", "index-other-dim"])
+def test_ops_along_other_dims_are_token_local(hand, build):
+    out = _first(hand, build(hand, _hidden(hand)))
+    gm = hand.output(hand.call(aten.sum.default, out))
+    info = analyse(gm, hand.seq, hand.params)
+    assert info[out.name].role == "token_local" and info[out.name].seq_dims == (1,)
+
+
+def test_a_table_looked_up_by_positions_is_token_local(hand):
+    """GPT-J's `embed_positions[position_ids]`: position p reads the table at its own index."""
+    h = _hidden(hand)
+    pos = hand.call(aten.arange.default, hand.size(h, 1))
+    rows = hand.call(aten.index.Tensor, hand.param("table", (64, 3)), [pos])  # [T, 3]
+    gm = hand.output(hand.call(aten.sum.default, hand.call(aten.add.Tensor, h, rows)))
+    info = analyse(gm, hand.seq, hand.params)
+    assert (info["index_tensor"].kind, info["index_tensor"].role, info["index_tensor"].seq_dims) == \
+        ("position", "token_local", (0,))
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda hand, h: hand.call(aten.topk.default, h, 2, 1), "works along the sequence dimension"),
+    (lambda hand, h: hand.call(aten.cumsum.default, h, 1), "works along the sequence dimension"),
+    (lambda hand, h: hand.call(aten.repeat_interleave.self_int, h, 2), "flattened tensor"),
+    (lambda hand, h: hand.call(aten.repeat_interleave.self_int, h, 2, 1), "works along the sequence"),
+    (lambda hand, h: hand.call(aten.repeat.default, h, [1, 2, 1]), "repeats along the sequence dimension"),
+    (lambda hand, h: hand.call(aten.index.Tensor, h, [None, _const_index(hand)]), "indexes along the sequence"),
+    (lambda hand, h: hand.call(aten.index.Tensor, h, [None, None, hand.call(
+        aten.arange.default, hand.size(h, 1))]), "indices that have a sequence dimension"),
+], ids=["topk-seq", "cumsum-seq", "repeat_interleave-flat", "repeat_interleave-seq", "repeat-seq",
+        "index-seq", "index-by-positions"])
+def test_ops_along_the_sequence_are_refused(hand, build, match):
+    h = _hidden(hand)
+    out = _first(hand, build(hand, h))
+    gm = hand.output(hand.call(aten.sum.default, out))
+    with pytest.raises(SppoError, match=match):
+        analyse(gm, hand.seq, hand.params)

@@ -22,7 +22,7 @@ Every node of a captured graph gets a `SeqInfo` in `node.meta["sppo_seq"]`:
              "mask"           a T x T position-only tensor (only allowed as an SDPA mask,
                               which `recognize_causal_masks` removes first)
 
-Anything else that mixes positions along the sequence (cumsum over hidden states,
+Anything else that mixes positions along the sequence (cumsum over hidden states along it,
 non-causal attention, conv over time, sort, ...) raises `SppoError` naming the op and the
 user's source line.
 """
@@ -72,6 +72,12 @@ _DIM_REDUCTIONS = {
     aten.log_softmax.int: 1, aten.norm.ScalarOpt_dim: 2, aten.linalg_vector_norm.default: 2,
     aten.all.dim: 1, aten.any.dim: 1,
 }
+# op -> (position of its `dim` argument, None where it is keyword-only; its default): ops
+# that work along one dim, each slice along it on its own (a dim of None flattens first)
+_ALONG_ONE_DIM = {aten.topk.default: (2, -1), aten.sort.default: (1, -1), aten.sort.stable: (None, -1),
+                  aten.argsort.default: (1, -1), aten.argsort.stable: (None, -1),
+                  aten.cumsum.default: (1, None), aten.cumprod.default: (1, None),
+                  aten.repeat_interleave.self_int: (2, None)}
 _FULL_REDUCTIONS = {aten.sum.default, aten.mean.default}
 _LOSSES = {aten.cross_entropy_loss.default}
 _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
@@ -233,6 +239,23 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
         if len(nonempty) <= 1:
             return None
         return "concatenates along the sequence dimension"
+    if target in _ALONG_ONE_DIM:  # each slice along `dim` on its own (MoE routing's top-k)
+        pos, default = _ALONG_ONE_DIM[target]
+        dim = node.args[pos] if pos is not None and len(node.args) > pos else node.kwargs.get("dim", default)
+        if dim is None:  # repeat_interleave without a dim flattens the tensor first
+            return "works on the flattened tensor, sequence included"
+        if _has_seq(x.shape[dim % x.dim()], seq):
+            return f"works along the sequence dimension (dim {dim})"
+        return None
+    if target is aten.index.Tensor:
+        return _index_mixing_reason(node, x, seq)
+    if target is aten.repeat.default:
+        repeats = list(node.args[1])
+        shape = [1] * (len(repeats) - x.dim()) + list(x.shape)  # new dims are leading ones
+        for d, (size, times) in enumerate(zip(shape, repeats)):
+            if _has_seq(size, seq) and not (isinstance(times, int) and times == 1):
+                return f"repeats along the sequence dimension (dim {d})"
+        return None
     if target in _FACTORIES:
         return None  # sources: classified by `kind`, rewritten by the chunk pass
     if target is SDPA or target in (windowed_causal_attention, document_causal_attention):
@@ -242,6 +265,22 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
             return None  # reduction="none" is token-local
         return "reduces over the sequence"
     return f"is not known to keep positions apart along the sequence ({target})"
+
+
+def _index_mixing_reason(node: fx.Node, x, seq) -> str | None:
+    """`x[i0, i1, ...]` (advanced indexing, None for a dim taken whole). Token-local when
+    it gathers from a tensor without a sequence dim by per-position indices (a table looked
+    up by position ids, as `embedding` is), or when the indices pick along other dims only
+    and hold no sequence dim themselves (the sequence dim is carried through whole)."""
+    indices = list(node.args[1])
+    x_seq = seq_dims_of(x, seq)
+    if not x_seq:
+        return None  # out[p] = x[i0[p], i1[p], ...]: position p reads its own indices only
+    if any(d < len(indices) and indices[d] is not None for d in x_seq):
+        return "indexes along the sequence dimension"
+    if any(seq_dims_of(i.meta.get("val"), seq) for i in indices if isinstance(i, fx.Node)):
+        return "indexes a sequence by indices that have a sequence dimension of their own"
+    return None
 
 
 def loss_reduction(node: fx.Node) -> int:
