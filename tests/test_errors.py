@@ -36,6 +36,14 @@ class TinyLM(nn.Module):
             h = h.cumsum(dim=1)
         if self.mode == "flip":
             h = h.flip(1)
+        if self.mode == "reversed_positions":  # T - 1 - arange(T): each chunk would use its length
+            h = h + self.out.weight[t - 1 - torch.arange(t)]
+        if self.mode == "interleaving_reshape":  # [b, 16, t] -> [b, t, 16] by reshape, not transpose
+            h = h.transpose(1, 2).reshape(b, t, 16)
+        if self.mode == "pairwise_sum":  # a sum over all (i, j) pairs of positions
+            return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten()) + (h[:, :, None] * h[:, None]).mean()
+        if self.mode == "boolean_index":  # a data-dependent size
+            return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten()) + h[h > 0].mean()
         return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
 
 
@@ -74,6 +82,21 @@ def test_cumsum_over_hidden_states_is_refused_with_op_and_line():
 def test_flip_along_sequence_is_refused():
     with pytest.raises(SppoError, match=r"aten\.flip.*h = h\.flip\(1\)"):
         sppo_fx.compile(TinyLM("flip"), chunks=2)(*_data())
+
+
+@pytest.mark.parametrize("mode,match", [
+    ("reversed_positions", "uses the sequence length as a value"),
+    ("interleaving_reshape", "reshapes so that positions interleave"),
+    ("pairwise_sum", "more than one sequence dimension"),
+    ("boolean_index", "depends on the data"),
+])
+def test_what_a_chunk_would_compute_differently_is_refused(mode, match):
+    """Run per chunk, each of these gives another loss than eager's without an error (the
+    boolean index: an unclear error in the cost model), so each is refused first."""
+    model = TinyLM(mode)
+    with pytest.raises(SppoError, match=match):
+        sppo_fx.compile(model, chunks=2, compile=False)(*_data())
+    assert _no_grads(model)
 
 
 def test_fewer_tokens_than_chunks_is_refused_before_tracing(monkeypatch):

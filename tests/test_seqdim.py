@@ -192,3 +192,50 @@ def test_ops_along_the_sequence_are_refused(hand, build, match):
     gm = hand.output(hand.call(aten.sum.default, out))
     with pytest.raises(SppoError, match=match):
         analyse(gm, hand.seq, hand.params)
+
+
+# ---- what a chunk would compute differently: the length as a value, interleaving reshapes,
+# reductions of T x T values, sizes that depend on the data
+def test_the_sequence_length_as_a_value_is_refused(hand):
+    """`h * T` (or `T - 1 - arange(T)`, a repeat count of T): each chunk would use its own length."""
+    h = _hidden(hand)
+    scaled = hand.call(aten.mul.Tensor, h, hand.size(h, 1))
+    with pytest.raises(SppoError, match="uses the sequence length as a value"):
+        analyse(hand.output(hand.call(aten.sum.default, scaled)), hand.seq, hand.params)
+
+
+def test_a_repeat_count_of_the_sequence_length_is_refused(hand):
+    h = _hidden(hand)
+    vec = hand.param("vec", (3,))
+    rows = hand.call(aten.repeat_interleave.self_int, vec, hand.size(h, 1))  # [3T]
+    as_rows = hand.call(aten.view.default, rows, [hand.size(h, 1), 3])  # row t is not vec
+    with pytest.raises(SppoError, match="uses the sequence length as a value"):
+        analyse(hand.output(hand.call(aten.sum.default, hand.call(aten.add.Tensor, h, as_rows))),
+                hand.seq, hand.params)
+
+
+def test_a_reshape_that_interleaves_positions_is_refused(hand):
+    """[B, 3, T] -> [B, T, 3] by reshape (not transpose) mixes positions."""
+    h = _hidden(hand)
+    t = hand.call(aten.transpose.int, h, 1, 2)
+    mixed = hand.call(aten.reshape.default, t, [2, hand.size(h, 1), 3])
+    with pytest.raises(SppoError, match="reshapes so that positions interleave"):
+        analyse(hand.output(hand.call(aten.sum.default, mixed)), hand.seq, hand.params)
+
+
+def test_a_reshape_that_keeps_positions_together_is_token_local(hand):
+    h = _hidden(hand)
+    flat = hand.call(aten.reshape.default, h, [-1, 3])   # [B*T, 3]
+    back = hand.call(aten.view.default, flat, [2, hand.size(h, 1), 3, 1])
+    info = analyse(hand.output(hand.call(aten.sum.default, back)), hand.seq, hand.params)
+    assert info["reshape_default"].role == info["view_default"].role == "token_local"
+
+
+def test_a_reduction_of_a_t_by_t_value_is_refused(hand):
+    """sum over h_i * h_j: each chunk holds only its own diagonal block of the T x T product."""
+    h = _hidden(hand)
+    a = hand.call(aten.unsqueeze.default, h, 2)  # [B, T, 1, 3]
+    b = hand.call(aten.unsqueeze.default, h, 1)  # [B, 1, T, 3]
+    pairs = hand.call(aten.mul.Tensor, a, b)
+    with pytest.raises(SppoError, match="more than one sequence dimension"):
+        analyse(hand.output(hand.call(aten.sum.default, pairs)), hand.seq, hand.params)

@@ -35,12 +35,14 @@ from typing import Iterable
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.markers import SPLIT_POINT
 
 aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
 
 SIZE, PARAM, INPUT, POSITION, DATA = "size", "param", "input", "position", "data"
 
@@ -58,6 +60,20 @@ _LAYOUT_OPS = {
     aten.dropout.default, aten.embedding.default, aten.stack.default,
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
     SPLIT_POINT,
+}
+# reshapes: token-local only when each position's values stay together (_reshape_mixing_reason)
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+             aten.unflatten.int, aten.view_as.default, aten.reshape_as.default}
+# op -> positions of the arguments that may hold the sequence length (as a shape, or a
+# position range the chunk pass offsets); "all" for ops whose sizes are checked elsewhere
+_SHAPE_ARGS = {
+    aten.view.default: {1}, aten.reshape.default: {1}, aten._unsafe_view.default: {1},
+    aten.expand.default: {1}, aten.unflatten.int: {2}, aten.arange.default: {0}, aten.arange.start: {0, 1},
+    aten.arange.start_step: {0, 1}, aten.slice.Tensor: {2, 3}, aten.zeros.default: {0}, aten.ones.default: {0},
+    aten.empty.memory_format: {0}, aten.full.default: {0}, aten.new_zeros.default: {1},
+    aten.new_ones.default: {1}, aten.new_empty.default: {1}, aten.new_full.default: {1},
+    aten.split.Tensor: {1}, aten.split_with_sizes.default: {1}, aten.empty_strided.default: {0, 1},
+    SDPA: "all", windowed_causal_attention: "all", document_causal_attention: "all",
 }
 _MATMUL_OPS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
                aten.addmm.default, aten.baddbmm.default, aten.outer.default}
@@ -83,7 +99,6 @@ _LOSSES = {aten.cross_entropy_loss.default}
 _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
               aten.zeros.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default}
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
-SDPA = aten.scaled_dot_product_attention.default
 
 
 @dataclasses.dataclass
@@ -175,6 +190,8 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
         return None
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return None
+    if target in _RESHAPES:
+        return _reshape_mixing_reason(ins[0], out_vals[0], seq)
     if target in _LAYOUT_OPS or target is operator.getitem:
         return None
     if target in (aten._assert_tensor_metadata.default,):
@@ -265,6 +282,39 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
             return None  # reduction="none" is token-local
         return "reduces over the sequence"
     return f"is not known to keep positions apart along the sequence ({target})"
+
+
+def _reshape_mixing_reason(x, out, seq) -> str | None:
+    """A reshape keeps positions apart when each sequence dim of `x` becomes one of `out`,
+    in order, with the same product of sizes after it: position p's values stay one block
+    at the same place ([B, T, H] -> [B*T, H] or [B, T, n, H/n]). [B, H, T] -> [B, T, H], or
+    [H, T] -> [T, H], would interleave positions."""
+    dims_in, dims_out = seq_dims_of(x, seq), seq_dims_of(out, seq)
+    if len(dims_in) != len(dims_out):
+        return "reshapes the sequence dimension into another number of dims"
+    for d, e in zip(dims_in, dims_out):
+        inner_in = sympy.Mul(*(expr_of(s) for s in x.shape[d + 1:]))
+        inner_out = sympy.Mul(*(expr_of(s) for s in out.shape[e + 1:]))
+        if sympy.simplify(inner_in - inner_out) != 0:
+            return (f"reshapes so that positions interleave (dim {d} of {list(x.shape)} -> dim {e} of "
+                    f"{list(out.shape)})")
+    return None
+
+
+def _length_as_value(node: fx.Node, seq) -> str | None:
+    """The argument of `node` that carries the sequence length other than as a shape (a
+    sum, a fill value, a repeat count), or None."""
+    shapes = _SHAPE_ARGS.get(node.target, ())
+    if shapes == "all":
+        return None
+    args = [(i, a) for i, a in enumerate(node.args) if i not in shapes] + list(node.kwargs.items())
+    for where, arg in args:
+        for a in (arg if isinstance(arg, (list, tuple)) else [arg]):
+            if isinstance(a, fx.Node) and _is_size_node(a):
+                expr = expr_of(a.meta.get("val"))
+                if expr is not None and seq in expr.free_symbols:
+                    return f"argument {where}: {expr}"
+    return None
 
 
 def _index_mixing_reason(node: fx.Node, x, seq) -> str | None:
@@ -359,6 +409,17 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
                     "followed by scalar operations only")
             info.role = "epilogue"
             continue
+        if any(free_unbacked_symbols(v) for v in _tensor_vals(node.meta.get("val"))):
+            raise SppoError(
+                f"{describe_node(node)} has a size that depends on the data (a boolean mask index, "
+                "nonzero, ...); sppo_fx plans chunks and memory from sizes known before the step. "
+                "Use a mask of fixed size (multiply or where) instead")
+        value_use = _length_as_value(node, seq)
+        if value_use is not None:
+            raise SppoError(
+                f"{describe_node(node)} uses the sequence length as a value ({value_use}); each chunk "
+                "would compute it with the chunk's length. Pass the length in as an input, or use "
+                "it only as a shape")
         if kind == PARAM:
             continue
         if node.target in _ARANGES or (node.target is aten.slice.Tensor and origin <= {PARAM, POSITION}
@@ -390,6 +451,11 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
                 "causal attention (is_causal=True, or a causal mask built from positions), "
                 "with dropout_p=0")
         if node.target in _FULL_REDUCTIONS or node.target in _LOSSES:
+            if any(len(infos[n].seq_dims) > 1 for n in _tensor_inputs(node)):
+                raise SppoError(
+                    f"{describe_node(node)} reduces a value with more than one sequence dimension (a "
+                    "T x T tensor): each chunk holds only its own block of it. Such a tensor may only "
+                    "be a causal attention mask")
             info.role = "reduction"
             continue
         raise SppoError(
