@@ -239,3 +239,14 @@ def test_a_reduction_of_a_t_by_t_value_is_refused(hand):
     pairs = hand.call(aten.mul.Tensor, a, b)
     with pytest.raises(SppoError, match="more than one sequence dimension"):
         analyse(hand.output(hand.call(aten.sum.default, pairs)), hand.seq, hand.params)
+
+
+def test_an_embedding_of_a_table_with_a_sequence_dim_is_refused(hand):
+    """`F.embedding(ids, buf[:T])` reads rows of other positions; of a plain table it is token-local."""
+    h = _hidden(hand)
+    ids = hand.graph.find_nodes(op="placeholder", target="ids")[0]
+    table = hand.call(aten.slice.Tensor, hand.param("buf", (64, 3)), 0, 0, hand.size(h, 1))  # [T, 3]
+    rows = hand.call(aten.embedding.default, table, ids)
+    with pytest.raises(SppoError, match="looks up rows of a table that has a sequence dimension"):
+        analyse(hand.output(hand.call(aten.sum.default, hand.call(aten.add.Tensor, h, rows))),
+                hand.seq, hand.params)

@@ -57,7 +57,7 @@ _LAYOUT_OPS = {
     aten.lift_fresh_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
     aten._to_copy.default, aten.type_as.default, aten.flatten.using_ints,
     aten.unflatten.int, aten.expand_as.default, aten.view_as.default, aten.reshape_as.default,
-    aten.dropout.default, aten.embedding.default, aten.stack.default,
+    aten.dropout.default, aten.stack.default,
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
     SPLIT_POINT,
 }
@@ -266,6 +266,10 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
         return None
     if target is aten.index.Tensor:
         return _index_mixing_reason(node, x, seq)
+    if target is aten.embedding.default:  # weight[ids]: rows looked up by value
+        if seq_dims_of(x, seq):
+            return "looks up rows of a table that has a sequence dimension (rows of other positions)"
+        return None
     if target is aten.repeat.default:
         repeats = list(node.args[1])
         shape = [1] * (len(repeats) - x.dim()) + list(x.shape)  # new dims are leading ones
@@ -407,6 +411,12 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
                     f"{describe_node(node)} combines a value reduced over the sequence with a "
                     "per-token value; sppo_fx needs the loss to be a reduction over the sequence "
                     "followed by scalar operations only")
+            if any(infos[n].role == "prologue" for n in _tensor_inputs(node)):
+                raise SppoError(
+                    f"{describe_node(node)} combines the loss with a value computed from the inputs "
+                    "over the whole sequence (e.g. a mask's `sum()`), which the end of the step does "
+                    "not receive. For a mean over unmasked tokens, set their labels to the loss's "
+                    "`ignore_index` instead")
             info.role = "epilogue"
             continue
         if any(free_unbacked_symbols(v) for v in _tensor_vals(node.meta.get("val"))):
