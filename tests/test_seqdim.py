@@ -250,3 +250,13 @@ def test_an_embedding_of_a_table_with_a_sequence_dim_is_refused(hand):
     with pytest.raises(SppoError, match="looks up rows of a table that has a sequence dimension"):
         analyse(hand.output(hand.call(aten.sum.default, hand.call(aten.add.Tensor, h, rows))),
                 hand.seq, hand.params)
+
+
+def test_a_reshape_into_blocks_of_positions_is_refused(hand):
+    """[B, T, 3] -> [B, 2, T/2, 3]: a sum over the block dim would add positions t and t + T/2."""
+    h = _hidden(hand)
+    half = hand.call(operator.floordiv, hand.size(h, 1), 2)
+    blocks = hand.call(aten.view.default, h, [2, 2, half, 3])
+    with pytest.raises(SppoError, match="splits the sequence dimension into blocks"):
+        analyse(hand.output(hand.call(aten.sum.default, hand.call(aten.sum.dim_IntList, blocks, [1]))),
+                hand.seq, hand.params)

@@ -297,6 +297,9 @@ def _reshape_mixing_reason(x, out, seq) -> str | None:
     if len(dims_in) != len(dims_out):
         return "reshapes the sequence dimension into another number of dims"
     for d, e in zip(dims_in, dims_out):
+        for size in (x.shape[d], out.shape[e]):
+            if seq in sympy.simplify(expr_of(size) / seq).free_symbols:  # e.g. T // 4: blocks of positions
+                return f"splits the sequence dimension into blocks ({list(x.shape)} -> {list(out.shape)})"
         inner_in = sympy.Mul(*(expr_of(s) for s in x.shape[d + 1:]))
         inner_out = sympy.Mul(*(expr_of(s) for s in out.shape[e + 1:]))
         if sympy.simplify(inner_in - inner_out) != 0:
