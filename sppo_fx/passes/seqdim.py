@@ -47,16 +47,14 @@ SDPA = aten.scaled_dot_product_attention.default
 SIZE, PARAM, INPUT, POSITION, DATA = "size", "param", "input", "position", "data"
 
 # Ops that never mix positions, whatever their dims (views and copies keep each token's
-# values at its own position; view/reshape can only merge the sequence dim with batch or
-# hidden dims because its size is symbolic).
+# values at its own position). Reshapes are not among them: see `_RESHAPES`.
 _LAYOUT_OPS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+    aten.expand.default,
     aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
     aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.clone.default,
     aten.contiguous.default, aten.alias.default, aten.detach.default, aten.detach_.default,
     aten.lift_fresh_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
-    aten._to_copy.default, aten.type_as.default, aten.flatten.using_ints,
-    aten.unflatten.int, aten.expand_as.default, aten.view_as.default, aten.reshape_as.default,
+    aten._to_copy.default, aten.type_as.default, aten.expand_as.default,
     aten.dropout.default, aten.stack.default,
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
     SPLIT_POINT,
