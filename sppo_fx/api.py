@@ -49,6 +49,7 @@ class _Entry:
     memory: dict = dataclasses.field(default_factory=dict)  # recompute policy -> solver.budget.MemoryModel
     budget_plans: dict = dataclasses.field(default_factory=dict)
     programs: dict = dataclasses.field(default_factory=dict)  # (recompute, skeleton, >1 chunk) -> CompiledProgram
+    verified: bool = False  # verify=True has compared this entry's program with the model
 
     def memory_program(self, options: "CompileOptions", recompute: str, skeleton: str = "keep",
                        chunks: int = 2) -> CompiledProgram:
@@ -138,7 +139,15 @@ class SppoCompiled:
         if any(n != seq_len for n in lengths):
             raise SppoError(f"inputs disagree on the sequence length: {lengths}")
         plan = self._budget_plan(entry, seq_len) if self.options.budget is not None else self.plan_for(seq_len, entry.cost)
+        if self.options.verify and not entry.verified:
+            self._verify(model, entry, (args, kwargs, target), plan)
+            entry.verified = True
         self.plan = plan
+        return self._run(entry, tensors, plan)
+
+    def _run(self, entry: "_Entry", tensors: list[torch.Tensor], plan: Plan) -> torch.Tensor:
+        """The chunked loss of one call under `plan` (its backward fills the model's .grad)."""
+        cap = entry.captured
         params = [cap.param_value(name) for name in entry.program.params]
         quota = None
         skeleton = plan.skeleton or ("keep" if self.options.skeleton == "auto" else self.options.skeleton)
@@ -153,6 +162,22 @@ class SppoCompiled:
             chunk_fn = entry.memory_program(self.options, recompute, skeleton, plan.num_chunks)
         self._last_chunk_fn = chunk_fn
         return chunked_loss(entry.program, params, tensors, plan, chunk_fn, self.store, quota, skeleton=skeleton)
+
+    def _verify(self, model, entry: "_Entry", call: tuple, plan: Plan) -> None:
+        """verify=True on one stage: the plan's first chunks of this batch through the chunk
+        program and through the model; raises SppoError at the first difference."""
+        from sppo_fx.verify import SavedGrads, compare, fail, prefix_call, prefix_plan, reference
+        short = prefix_plan(plan)
+        with phase(f"verify: {short.seq_len} tokens in {short.num_chunks} chunks against the model", log):
+            prefix = prefix_call(call, self.options.seq_dim, plan.seq_len, short.seq_len)
+            leaves, _spec, slots = flatten_call(*prefix)
+            with SavedGrads(model) as saved:
+                loss = self._run(entry, [leaves[i] for i in slots], short)
+                loss.backward()
+                got = saved.take()
+                ref_loss, ref = reference(model, self._fn, self.options.loss_fn, [prefix])
+            fail(compare(list(model.named_parameters()), got, ref, loss.item(), ref_loss),
+                 f"the first {short.seq_len} tokens of this batch")
 
     def _budget_plan(self, entry: "_Entry", seq_len: int) -> Plan:
         """Solve the budget for this sequence length (cached per length)."""
@@ -245,10 +270,39 @@ class SppoCompiled:
             first = not any(isinstance(k, tuple) and k[0] == "pipeline" for k in self._cache)
             state = build_pipeline(model, self._fn, o, mbs, self, mesh, factory, self.store,
                                    check_values=first)
+            if o.verify:
+                self._verify_pipeline(model, (args, kwargs, target), mesh, state, factory)
             self._cache[key] = state
         self.plan = state.plan
         self.pipeline = state
         return pipeline_step(state, mbs)
+
+    def _verify_pipeline(self, model, call: tuple, mesh, state, factory) -> None:
+        """verify=True on several ranks: the plan's first chunks of this batch through a
+        pipeline built for them (same layout, schedule and chunk lengths) and through the
+        model on every rank; every rank raises the same SppoError at the first difference
+        found on any rank. Collective."""
+        from sppo_fx.runtime.pipeline import build_pipeline, data_shares, pipeline_step, split_microbatches
+        from sppo_fx.verify import SavedGrads, agree, compare, fail, prefix_call, prefix_plan, reference
+        o = self.options
+        short = prefix_plan(state.plan)
+        with phase(f"verify: {short.seq_len} tokens in {short.num_chunks} chunks against the model", log):
+            prefix = prefix_call(call, o.seq_dim, state.plan.seq_len, short.seq_len)
+            every = split_microbatches(*prefix, o.microbatches)
+            options = dataclasses.replace(o, plan=short, budget=None, chunks=None, chunk_lengths=None)
+            with SavedGrads(model) as saved:
+                prefix_state = build_pipeline(model, self._fn, options, data_shares(every, mesh), self, mesh,
+                                              factory, self.store, check_values=False)
+                loss = pipeline_step(prefix_state, data_shares(every, mesh))
+                got = saved.take()
+                ref_loss, ref = reference(model, self._fn, o.loss_fn, every)
+            cap = prefix_state.captured
+            mine = {cap.param_fqns[n][1].removeprefix("model.") for n in prefix_state.program.params
+                    if cap.param_fqns[n][0] == "parameter"}
+            named = list(model.named_parameters())
+            verdict = compare(named, {n: g for n, g in got.items() if n in mine}, ref, float(loss), ref_loss)
+            device = next((p.device for _n, p in named), torch.device("cpu"))
+            fail(agree(verdict, named, device), f"the first {short.seq_len} tokens of this batch")
 
     def _parallel_mesh(self):
         """The ParallelMesh of this process (made, with its process groups, on first use)."""
@@ -375,7 +429,8 @@ class SppoCompiled:
 def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None,
             log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
             split_points=None, timeout_s=60.0, partition="balanced", offload=None, offload_dir=None,
-            recompute="auto", skeleton="auto", seq_parallel=1, data_parallel=1, mesh=None, plan=None):
+            recompute="auto", skeleton="auto", seq_parallel=1, data_parallel=1, mesh=None, plan=None,
+            verify=False):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -425,12 +480,20 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             "sp" (any subset), instead of stages / data_parallel / seq_parallel.
         plan: a `Plan` (or its JSON, or a path to a `.json` file from `sppo-fx plan --json`)
             to run as given: chunk lengths and, with seq_parallel, each chunk's split.
+        verify: at the first call, run the plan's first chunks of the batch (at most 3,
+            never the last of a longer plan) through the transformed program and through
+            the unmodified model, and raise SppoError naming the first parameter whose
+            gradient differs, and by how much (also across pipeline and sequence-parallel
+            ranks, which agree on the verdict). Costs one eager and one chunked step over
+            that prefix (sppo_fx/verify.py).
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
         decorator when `model` is omitted.
     """
     check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir)
+    if not isinstance(verify, bool):
+        raise SppoError(f"verify={verify!r}: give True (check the first call against the model) or False")
     if budget is not None:
         from sppo_fx.solver.budget import parse_budget
         budget = parse_budget(budget)
@@ -472,7 +535,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
                              split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s),
                              partition=partition, offload=offload, offload_dir=offload_dir, recompute=recompute,
                              skeleton=skeleton, seq_parallel=int(seq_parallel), data_parallel=int(data_parallel),
-                             mesh=mesh, plan=plan)
+                             mesh=mesh, plan=plan, verify=verify)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

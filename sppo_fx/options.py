@@ -50,6 +50,9 @@ class CompileOptions:
         mesh: a user's DeviceMesh with dims named "pp", "dp", "sp" (instead of stages /
             data_parallel / seq_parallel).
         plan: a saved Plan (`sppo-fx plan --json`, `Plan.from_json`) to run as given.
+        verify: at the first call, compare the transformed program with the unmodified
+            model on a prefix of the batch and raise at the first differing gradient
+            (sppo_fx/verify.py).
     """
 
     loss_fn: Callable | None = None
@@ -73,6 +76,7 @@ class CompileOptions:
     data_parallel: int = 1
     mesh: object = None
     plan: Plan | None = None
+    verify: bool = False
 
     @property
     def layout(self):
