@@ -127,7 +127,7 @@ def test_explicit_sliding_window_becomes_windowed_attention_and_matches_eager():
 
 
 @pytest.mark.parametrize("style, message", [
-    ("corrupt_buffer", "not a lower-triangular table"),
+    ("corrupt_buffer", "not a lower-triangular or banded table"),
     ("off_by_one", "not the causal mask"),
     ("no_mask", "no mask"),
     ("softcap", "soft-capping"),

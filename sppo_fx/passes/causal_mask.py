@@ -33,7 +33,7 @@ import torch.fx as fx
 from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.passes.document_mask import document_positions_node, prove_mask
-from sppo_fx.passes.mask_proof import NotProvable
+from sppo_fx.passes.mask_proof import NotProvable, record_seq_limit
 from sppo_fx.passes.seqdim import SDPA, _is_size_node
 
 
@@ -129,6 +129,8 @@ def recognize_causal_masks(gm: fx.GraphModule, seq: sympy.Symbol, param_names: s
         node.meta["sppo_causal_mask"] = mask.name
         node.meta["sppo_attention_window"] = kind.window
         node.meta["sppo_documents"] = proven.documents
+        node.meta["sppo_seq_limit"] = proven.limit
+        record_seq_limit(gm, proven.limit)  # the runtime refuses longer sequences
         changed = True
     if changed:
         gm.graph.eliminate_dead_code()

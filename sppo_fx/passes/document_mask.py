@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.passes.mask_proof import (CAST_OPS, IDENTITY_OPS, _CMP, _EXTRA_POINTWISE, _NEW_FACTORIES, Affine, Band, Const, MaskEvaluator,
-                                       MaskKind, NotProvable, _affine_predicate, _affine_scale, _affine_sub,
+                                       MaskKind, NotProvable, SeqLimit, _affine_predicate, _affine_scale, _affine_sub,
                                        _combine, _same, _shift_unsqueeze, evaluate_mask, is_blocking_fill,
                                        mask_kind)
 
@@ -78,6 +78,7 @@ class ProvenMask:
 
     kind: MaskKind
     documents: Documents | None = None
+    limit: SeqLimit | None = None  # the longest sequence the proof holds for (narrow dtypes)
 
 
 def _shift(key, nd_in, dim):
@@ -95,6 +96,10 @@ class DocumentMaskEvaluator(MaskEvaluator):
                 or not _is_seq_size(val.shape[-1], self.seq):
             raise NotProvable(f"it depends on the input '{node.name}', which is not a [batch, seq] integer "
                               "tensor (position ids or document ids)")
+        if val.dtype not in (torch.int64, torch.int32):
+            # steps and offsets of narrow ids wrap (int8: 127 + 1 == -128) where positions do not
+            raise NotProvable(f"the input '{node.name}' holds positions or document ids as {val.dtype}, which "
+                              "wrap: pass them as torch.int64")
         rows = val.shape[0] if val.dim() == 2 else 1
         return Tok(node, "raw", -1, -2 if rows != 1 else None, Fraction(0), val.dim())
 
@@ -211,7 +216,7 @@ class DocumentMaskEvaluator(MaskEvaluator):
             if out != src and out is not torch.int64:
                 raise NotProvable(f"{node.name} casts values read from the input to {out}")
             return x
-        cast = lambda b: None if b is None else Band(b.breaks, b.values.to(out), b.ndim)  # noqa: E731
+        cast = lambda b: None if b is None else dataclasses.replace(b, values=b.values.to(out))  # noqa: E731
         return dataclasses.replace(x, inside=cast(x.inside), outside=cast(x.outside))
 
     def _reshape_tok(self, node: fx.Node, x):
@@ -368,9 +373,10 @@ def prove_mask(mask: fx.Node, seq, param_value, how: str, dtype: torch.dtype, ba
     Returns:
         ProvenMask. Raises NotProvable with the reason otherwise.
     """
-    value = DocumentMaskEvaluator(seq, param_value).value(mask)
+    evaluator = DocumentMaskEvaluator(seq, param_value)
+    value = evaluator.value(mask)
     if isinstance(value, Band):
-        return ProvenMask(mask_kind(value, how, dtype))
+        return ProvenMask(mask_kind(value, how, dtype), None, evaluator.limit)
     if isinstance(value, Seg):
         kind = mask_kind(value.inside, how, dtype)
         if value.outside is None:
@@ -381,7 +387,7 @@ def prove_mask(mask: fx.Node, seq, param_value, how: str, dtype: torch.dtype, ba
                               f"'{value.docs.source}')")
         if value.batch_key is not None and value.batch_key != -batch_ndim:
             raise NotProvable("its batch rows are not the attention's batch rows")
-        return ProvenMask(kind, value.docs)
+        return ProvenMask(kind, value.docs, evaluator.limit)
     raise NotProvable("it is not a sequence x sequence mask that depends on the query and key positions")
 
 

@@ -44,7 +44,7 @@ import torch.fx as fx
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.passes.document_mask import ProvenMask, document_positions_node, prove_mask
-from sppo_fx.passes.mask_proof import CAST_OPS, NotProvable, evaluate_mask, is_blocking_fill
+from sppo_fx.passes.mask_proof import CAST_OPS, NotProvable, evaluate_mask, is_blocking_fill, record_seq_limit
 from sppo_fx.passes.seqdim import SDPA
 
 aten = torch.ops.aten
@@ -221,6 +221,10 @@ def _prove_causal(chain: _Chain, seq, param_value) -> tuple[str | None, ProvenMa
         return "it has no mask (every query attends to every key)", None
     mask, how, fill = _mask_operand(op, chain.nodes)
     dtype = op.meta["val"].dtype
+    scores = _scores_operand(op)
+    if scores is None or list(op.meta["val"].shape) != list(scores.meta["val"].shape):
+        return (f"its mask broadcasts the scores from {tuple(scores.meta['val'].shape) if scores is not None else '?'}"
+                f" to {tuple(op.meta['val'].shape)}"), None
     try:
         if how != "additive":
             fill_v = fill
@@ -297,6 +301,8 @@ def recognize_explicit_attention(gm: fx.GraphModule, seq: sympy.Symbol, param_va
             if key in chain.out.meta:
                 sdpa.meta[key] = chain.out.meta[key]
         sdpa.meta["sppo_explicit_attention"] = chain.softmax.name
+        sdpa.meta["sppo_seq_limit"] = proven.limit
+        record_seq_limit(gm, proven.limit)  # the runtime refuses longer sequences
         chain.out.replace_all_uses_with(sdpa)
         # erased explicitly: DCE keeps random ops such as a (p=0 or eval-mode) dropout
         for n in reversed(chain.nodes):
