@@ -51,7 +51,7 @@ def _fields(result):
 
 
 def _stored(tmp_path):
-    return sorted((tmp_path / "memory_model").glob("*.pkl")) if (tmp_path / "memory_model").exists() else []
+    return sorted((tmp_path / "memory_model").glob("*.json")) if (tmp_path / "memory_model").exists() else []
 
 
 def test_a_second_lookup_reads_the_file_and_does_not_trace(cold, tmp_path, caplog):
@@ -127,7 +127,7 @@ def test_a_corrupt_file_is_traced_again_and_replaced(cold, tmp_path):
     first = _lookup(program, seq, params, recomputes=("none",))
     (path,) = _stored(tmp_path)
     good = path.read_bytes()
-    for n, damaged in enumerate([b"not a pickle", good[: len(good) // 2]], start=2):
+    for n, damaged in enumerate([b"not JSON", good[: len(good) // 2]], start=2):
         path.write_bytes(damaged)
         saved_cache.forget()
         again = _lookup(program, seq, params, recomputes=("none",))

@@ -13,7 +13,10 @@ count, and the filesystem of the offload directory (the disk tier's bandwidth).
 Refresh (after a hardware change, or when the calibration ran on a busy machine):
 `SPPO_FX_RECALIBRATE=1` measures again and overwrites the file; `device_profile(...,
 refresh=True)` does the same from Python; deleting the directory forgets every profile.
-`SPPO_FX_PROFILE_CACHE=off` neither reads nor writes the cache.
+`SPPO_FX_PROFILE_CACHE=off` neither reads nor writes the cache; neither does a cache
+directory that another user owns or may write (`disk_cache.private_dir`, warned once). A
+stored profile whose values the solver cannot use (`DeviceProfile.check`: a rate of 0, inf,
+a negative size) is ignored with a warning naming the file, and measured again.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import os
 import platform
 import tempfile
 
-from sppo_fx.disk_cache import cache_root, enabled, write_atomically
+from sppo_fx.disk_cache import cache_root, enabled, private_dir, read_private, write_atomically
 from sppo_fx.forked import others_runnable
 from sppo_fx.log import get_logger, phase
 from sppo_fx.solver.profiles import DeviceProfile, calibrate
@@ -68,9 +71,13 @@ def profile_key(device: str, dir: str | None = None) -> dict:
             "disk": f"{target} (dev {filesystem})", "host": platform.node(), "version": 1}
 
 
-def _path(key: dict) -> str:
+def _path(key: dict) -> str | None:
+    """The file of `key`, None when the cache directory is not private (then no cache)."""
+    directory = private_dir("profiles", "device profile cache")
+    if directory is None:
+        return None
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(cache_dir(), f"{key['device']}-{digest}.json")
+    return os.path.join(directory, f"{key['device']}-{digest}.json")
 
 
 def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | None = None) -> DeviceProfile:
@@ -89,6 +96,7 @@ def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | 
     use_cache = enabled("SPPO_FX_PROFILE_CACHE")
     key = profile_key(device, dir) if use_cache else None
     path = _path(key) if use_cache else None
+    use_cache = path is not None
     if use_cache and not refresh:
         stored = _read(path, key)
         if stored is not None:
@@ -122,8 +130,9 @@ def load_average() -> float | None:
 
 def _read(path: str, key: dict) -> DeviceProfile | None:
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(read_private(path))
+        if not isinstance(data, dict) or not isinstance(data.get("profile"), dict):
+            raise ValueError("not a stored device profile")
         if data.get("key") != key:
             return None
         profile = DeviceProfile.from_dict(data["profile"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import tempfile
 import time
@@ -137,7 +138,33 @@ class DeviceProfile:
                          if f.default is dataclasses.MISSING and f.name not in data)
         if missing:
             raise SppoError(f"DeviceProfile is missing field(s) {missing}")
-        return cls(**data)
+        profile = cls(**data)
+        profile.check()
+        return profile
+
+    def check(self) -> None:
+        """Raise SppoError naming the first field the solver could not use: rates must be
+        positive and finite (a rate of 0 would divide by zero, inf or NaN would make every
+        plan free), sizes whole and not negative."""
+        def number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not isinstance(self.name, str) or not isinstance(self.source, str):
+            raise SppoError("DeviceProfile name and source must be strings")
+        for field in ("flops_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s", "disk_write_bytes_per_s",
+                      "disk_read_bytes_per_s"):
+            value = getattr(self, field)
+            if not number(value) or value <= 0:
+                raise SppoError(f"DeviceProfile {field}={value!r}: give a positive finite rate")
+        if self.disk_cached_write_bytes_per_s is not None and (
+                not number(self.disk_cached_write_bytes_per_s) or self.disk_cached_write_bytes_per_s <= 0):
+            raise SppoError(f"DeviceProfile disk_cached_write_bytes_per_s={self.disk_cached_write_bytes_per_s!r}: "
+                            "give a positive finite rate, or None (unknown)")
+        if not number(self.n_half) or self.n_half < 0:
+            raise SppoError(f"DeviceProfile n_half={self.n_half!r}: give a finite number of tokens >= 0")
+        for field, least in (("memory_bytes", 1), ("disk_cache_bytes", 0)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise SppoError(f"DeviceProfile {field}={value!r}: give a whole number of bytes >= {least}")
 
     @classmethod
     def from_json(cls, text: str) -> "DeviceProfile":

@@ -4,8 +4,12 @@ within one (docs/architecture.md, "The memory model").
 `saved_tensors_by_policy` (passes/cost/saved.py) traces the chunk program's joint graph with
 AOTAutograd and partitions it per recompute policy: the slow part of a budgeted first call.
 `stored_saved_tensors_by_policy` returns the same result, read from
-`$SPPO_FX_CACHE_DIR/memory_model/` (`sppo_fx/disk_cache.py`; one pickle file per key,
-written atomically) or from this process's memo, and computes and stores it otherwise.
+`$SPPO_FX_CACHE_DIR/memory_model/` (`sppo_fx/disk_cache.py`: a directory of this user's
+that no one else may write; one JSON file per key, written atomically) or from this
+process's memo, and computes and stores it otherwise. A file is data, never code: sympy
+expressions are stored as trees of a few known functions, symbols and integers (`_encode`),
+rebuilt without `eval` (`_decode`), and every field read is checked; a result that does not
+survive that round trip unchanged is not stored.
 
 The key holds everything the result depends on: the chunk program's code (and its
 sub-graphs'), each placeholder's shape (symbols renamed in order of appearance, so two
@@ -14,23 +18,24 @@ trace feeds (`shapes._input_specs`), the attention sites, the parameters' shapes
 dtypes, the batch, the requested example (c0, p0), the partition, the policies, the device
 (and GPU name), AOTAutograd's config, torch's version and a digest of sppo_fx's sources, so
 a change to any pass never reads an entry the old code made. A stored file whose key
-differs, or that cannot be read, is ignored and overwritten.
+differs is ignored and overwritten; one that cannot be read or holds a bad value too, with
+a warning naming it.
 `SPPO_FX_MEMORY_MODEL_CACHE=off` neither reads nor writes (nor keeps the memo).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
-import pickle
 import time
 
 import sympy
 import torch
 import torch.fx as fx
 
-from sppo_fx.disk_cache import cache_root, enabled, source_digest, write_atomically
+from sppo_fx.disk_cache import cache_root, enabled, private_dir, read_private, source_digest, write_atomically
 from sppo_fx.log import get_logger, phase
 from sppo_fx.passes.cost.data import SavedTensor
 from sppo_fx.passes.cost.saved import saved_tensors_by_policy
@@ -38,7 +43,7 @@ from sppo_fx.passes.cost.shapes import _input_specs
 
 log = get_logger(__name__)
 ENV = "SPPO_FX_MEMORY_MODEL_CACHE"
-FORMAT = 1
+FORMAT = 2  # 1: pickles (never read)
 
 _memo: dict[str, tuple[dict[str, list[SavedTensor]], tuple[int, int]]] = {}  # file path -> result
 
@@ -118,9 +123,13 @@ def memory_model_key(program, batch: int, *, params=None, seq=None, partition: s
     }
 
 
-def _path(key: dict) -> str:
+def _path(key: dict) -> str | None:
+    """The file of `key`, None when the cache directory is not private (then no cache)."""
+    directory = private_dir("memory_model", "memory model cache")
+    if directory is None:
+        return None
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return os.path.join(cache_dir(), f"{key['device']['type']}-{digest}.pkl")
+    return os.path.join(directory, f"{key['device']['type']}-{digest}.json")
 
 
 def _copy(result):
@@ -128,30 +137,140 @@ def _copy(result):
     return {policy: list(saved) for policy, saved in by_policy.items()}, tuple(example)
 
 
+class _Unstorable(Exception):
+    """A value outside what the file format holds."""
+
+
+def _expression_classes() -> dict:
+    from torch.utils._sympy import functions as tf
+    classes = {cls.__name__: cls for cls in (sympy.Add, sympy.Mul, sympy.Pow, sympy.Max, sympy.Min,
+                                             sympy.floor, sympy.ceiling, sympy.Mod)}
+    for name in ("FloorDiv", "CeilDiv", "CleanDiv", "ModularIndexing", "PythonMod", "Mod", "Max", "Min"):
+        cls = getattr(tf, name, None)
+        if cls is not None:
+            classes[f"torch.{name}"] = cls
+    return classes
+
+
+def _encode(value):
+    """A JSON tree of an int or a sympy expression: ints as ints, {"i": n} a sympy Integer,
+    {"q": [p, q]} a Rational, {"s": name, "a": assumptions} a Symbol, {"f": function,
+    "args": [...]} a known function. Raises _Unstorable for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, sympy.Integer):
+        return {"i": int(value)}
+    if isinstance(value, sympy.Rational):
+        return {"q": [int(value.p), int(value.q)]}
+    if isinstance(value, sympy.Symbol) and type(value) is sympy.Symbol:
+        return {"s": value.name, "a": {k: v for k, v in value.assumptions0.items() if v is not None}}
+    for name, cls in _expression_classes().items():
+        if type(value) is cls:
+            return {"f": name, "args": [_encode(a) for a in value.args]}
+    raise _Unstorable(f"{type(value).__name__} {value!r}")
+
+
+def _decode(tree):
+    """The value `_encode` wrote; ValueError for anything it cannot have written."""
+    if isinstance(tree, int) and not isinstance(tree, bool):
+        return tree
+    if isinstance(tree, dict) and set(tree) == {"i"} and type(tree["i"]) is int:
+        return sympy.Integer(tree["i"])
+    if isinstance(tree, dict) and set(tree) == {"q"} and isinstance(tree["q"], list) and len(tree["q"]) == 2 \
+            and all(type(v) is int for v in tree["q"]) and tree["q"][1] > 0:
+        return sympy.Rational(*tree["q"])
+    if isinstance(tree, dict) and set(tree) == {"s", "a"} and isinstance(tree["s"], str) and tree["s"] \
+            and isinstance(tree["a"], dict):
+        from sympy.core.assumptions import _assume_defined
+        if not all(k in _assume_defined and isinstance(v, bool) for k, v in tree["a"].items()):
+            raise ValueError(f"bad assumptions of symbol {tree['s']!r}: {tree['a']!r}")
+        return sympy.Symbol(tree["s"], **tree["a"])
+    if isinstance(tree, dict) and set(tree) == {"f", "args"} and isinstance(tree["args"], list):
+        cls = _expression_classes().get(tree["f"])
+        if cls is None:
+            raise ValueError(f"unknown function {tree['f']!r}")
+        return cls(*[_decode(a) for a in tree["args"]])
+    raise ValueError(f"not an expression: {str(tree)[:80]}")
+
+
+_KINDS = ("kv", "kv_concat", "mask", "input", "activation")
+
+
+def _encode_saved(s: SavedTensor) -> dict:
+    return {"name": s.name, "shape": [_encode(e) for e in s.shape_expr], "dtype": str(s.dtype).removeprefix("torch."),
+            "bytes": _encode(s.bytes_expr), "level": s.level, "kind": s.kind, "aliases": list(s.aliases),
+            "exact": s.exact}
+
+
+def _decode_saved(d) -> SavedTensor:
+    if not isinstance(d, dict) or set(d) != {"name", "shape", "dtype", "bytes", "level", "kind", "aliases", "exact"}:
+        raise ValueError(f"not a saved tensor: {str(d)[:80]}")
+    dtype = getattr(torch, d["dtype"], None) if isinstance(d["dtype"], str) else None
+    ok = (isinstance(d["name"], str) and isinstance(d["shape"], list) and isinstance(dtype, torch.dtype)
+          and d["level"] in (1, 2) and type(d["level"]) is int and d["kind"] in _KINDS
+          and isinstance(d["aliases"], list) and all(isinstance(a, str) for a in d["aliases"])
+          and isinstance(d["exact"], bool))
+    if not ok:
+        raise ValueError(f"bad field in saved tensor {str(d)[:80]}")
+    return SavedTensor(d["name"], tuple(_decode(e) for e in d["shape"]), dtype, _decode(d["bytes"]), d["level"],
+                       d["kind"], tuple(d["aliases"]), d["exact"])
+
+
+def _encode_result(key: dict, result) -> bytes:
+    """The file's bytes; raises _Unstorable when reading them back would not give `result`
+    exactly (same values and types)."""
+    by_policy, example = result
+    data = {"key": key, "saved": {policy: [_encode_saved(s) for s in saved] for policy, saved in by_policy.items()},
+            "example": [int(example[0]), int(example[1])]}
+    text = json.dumps(data)
+    again = _decode_result(json.loads(text), key)
+
+    def exact(r):
+        return {pol: [tuple((type(v), v) for v in dataclasses.astuple(s)) for s in saved] for pol, saved in r[0].items()}
+    if again is None or exact(again) != exact(result) or again[1] != tuple(example):
+        raise _Unstorable("the stored form would read back differently")
+    return text.encode()
+
+
+def _decode_result(data, key: dict):
+    """The result held in a file's JSON, None when it is another key's; ValueError for a
+    value that no stored result has."""
+    if not isinstance(data, dict) or set(data) != {"key", "saved", "example"}:
+        raise ValueError("not a stored memory model")
+    if data["key"] != json.loads(json.dumps(key)):  # as JSON holds it: tuples are lists
+        return None
+    by_policy, example = data["saved"], data["example"]
+    if not isinstance(by_policy, dict) or set(by_policy) != set(key["recomputes"]) \
+            or not all(isinstance(v, list) for v in by_policy.values()):
+        raise ValueError(f"the recompute policies {sorted(by_policy) if isinstance(by_policy, dict) else by_policy!r} "
+                         f"are not {key['recomputes']}")
+    if not (isinstance(example, list) and len(example) == 2 and all(type(v) is int and v >= 0 for v in example)
+            and example[0] > 0):
+        raise ValueError(f"bad example chunk {example!r}")
+    return {policy: [_decode_saved(s) for s in saved] for policy, saved in by_policy.items()}, tuple(example)
+
+
 def _read(path: str, key: dict):
     try:
-        with open(path, "rb") as f:
-            data = pickle.load(f)
-        if not isinstance(data, dict) or data.get("key") != key:
-            return None
-        by_policy, example = data["saved"], tuple(data["example"])
-        if set(by_policy) != set(key["recomputes"]) or not all(
-                isinstance(s, SavedTensor) for saved in by_policy.values() for s in saved):
-            return None
-        return by_policy, (int(example[0]), int(example[1]))
+        data = json.loads(read_private(path))
+        return _decode_result(data, key)
     except FileNotFoundError:
         return None
-    except Exception as e:  # noqa: BLE001 - a corrupt or foreign file: compute again, never fail
+    except Exception as e:  # noqa: BLE001 - a corrupt, foreign or planted file: compute again, never fail
         log.warning("ignoring the stored memory model %s (%s: %s); tracing again", path, type(e).__name__, e)
         return None
 
 
 def _write(path: str, key: dict, result) -> None:
-    by_policy, example = result
     try:
-        write_atomically(path, pickle.dumps({"key": key, "saved": by_policy, "example": list(example)}))
+        data = _encode_result(key, result)
+    except _Unstorable as e:
+        log.debug("memory model not stored (%s)", e)
+        return
+    try:
+        write_atomically(path, data)
         log.info("memory model stored in %s", path)
-    except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
+    except OSError as e:
         log.warning("could not store the memory model in %s: %s", path, e)
 
 
@@ -178,6 +297,8 @@ def stored_saved_tensors_by_policy(program, values, batch: int, *, params: list[
         log.debug("memory model: no cache key (%s: %s); tracing", type(e).__name__, e)
         return traced()
     path = _path(key)
+    if path is None:
+        return traced()
     stored = _lookup(path, key)
     if stored is not None:
         return stored
