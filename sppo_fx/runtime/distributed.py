@@ -54,15 +54,56 @@ _TAG_LOSS = 1 << 25
 _STORE_WAIT_S = 2.0  # longest wait for the rendezvous store while handling a failure
 
 
+def check_timeout(timeout_s) -> float:
+    """`timeout_s` as seconds; SppoError unless it is a positive finite number."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise SppoError(f"timeout_s={timeout_s!r}: give the seconds a rank waits for a peer, a finite number > 0")
+    return float(timeout_s)
+
+
+def _served_store(timeout_s: float):
+    """The rendezvous store rank 0 serves when no torchrun agent does, listening on
+    MASTER_ADDR only: torch's `TCPStore(addr, port, is_master=True)` listens on every
+    interface (`runtime/launch.py`, `loopback_store`), so the socket is bound here."""
+    import os
+    import socket
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
+
+
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> tuple[int, int]:
     """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU).
+    Without torchrun's agent (which serves the store otherwise), rank 0 serves it on
+    MASTER_ADDR only (`_served_store`).
 
     Returns:
         (rank, world size).
     """
+    import os
+    timeout_s = check_timeout(timeout_s)
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        env = os.environ
+        serves = (env.get("RANK") == "0" and "MASTER_ADDR" in env and "MASTER_PORT" in env
+                  and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
+        if serves:
+            dist.init_process_group(backend, store=_served_store(timeout_s), rank=0,
+                                    world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -116,13 +157,43 @@ def fingerprint(graphs: list, params: list[tuple[str, torch.Tensor]], plan: Plan
     return out
 
 
-def check_agreement(local: dict[str, str], rank: int, world: int):
-    """All-gather fingerprints; raise SppoError naming what differs between ranks."""
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, local)
-    diffs = [k for k in local if len({g[k] for g in gathered}) > 1]
+def _gather_json(local: dict[str, str], world: int, timeout_s: float) -> list[dict[str, str]]:
+    """Every rank's `local` (a dict of strings), sent as JSON bytes in uint8 tensors: never a
+    pickle, which would run whatever a peer sent. Waits at most `timeout_s` per exchange."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = torch.frombuffer(bytearray(json.dumps(local, sort_keys=True).encode()), dtype=torch.uint8).to(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), async_op=True).wait(timeout)
+    longest = max(int(n.item()) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(bufs, padded, async_op=True).wait(timeout)
+    out = []
+    for r, (buf, n) in enumerate(zip(bufs, sizes)):
+        got = json.loads(bytes(buf[:int(n.item())].cpu().tolist()).decode())
+        if not isinstance(got, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in got.items()):
+            raise SppoError(f"rank {r} sent a fingerprint that is not a dict of strings")
+        out.append(got)
+    return out
+
+
+def check_agreement(local: dict[str, str], rank: int, world: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """All-gather fingerprints (JSON, `_gather_json`), waiting at most `timeout_s`; raise
+    SppoError naming what differs between ranks, or which wait timed out."""
+    timeout_s = check_timeout(timeout_s)
+    try:
+        gathered = _gather_json(local, world, timeout_s)
+    except SppoError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a peer that never came or failed
+        raise SppoError(f"rank {rank}: the start-up fingerprint exchange with the other {world - 1} rank(s) failed or "
+                        f"timed out after {timeout_s:g} s (timeout_s) ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from e
+    diffs = [k for k in local if len({g.get(k) for g in gathered}) > 1]
     if diffs:
-        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}={g[k]}" for r, g in enumerate(gathered)) for k in diffs)
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}={g.get(k)}" for r, g in enumerate(gathered)) for k in diffs)
         raise SppoError(f"ranks disagree on {', '.join(diffs)} ({detail}). Every rank must build the same "
                         "model (same code, parameters and starting values), input shapes, plan and schedule")
 

@@ -2,9 +2,37 @@
 benchmarks that need each rank's output; real jobs use torchrun)."""
 from __future__ import annotations
 
+import datetime
 import os
+import socket
 import subprocess
 import time
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(timeout_s: float = 300.0):
+    """A rendezvous store (`TCPStore`, served by this process) that listens on 127.0.0.1 only.
+
+    `TCPStore(host, port, is_master=True)` listens on every interface whatever `host` says
+    (torch 2.13, both its libuv and its classic backend bind the wildcard address; `host` is
+    only where clients connect), and it has no authentication: anyone on the network could
+    read and write the ranks' keys. So this process binds the socket to loopback itself, on a
+    port the OS picks, and hands the listening socket to the store (`master_listen_fd`),
+    which then owns it (closes it when the store goes)."""
+    import torch.distributed as dist
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
 
 
 class LocalRanks(list):
@@ -17,7 +45,7 @@ def start_local_ranks(cmd: list[str], world: int, capture: bool = True, **popen_
     """Start `world` processes of `cmd` with torchrun's rendezvous environment.
 
     As torchrun's agent does, this process serves the rendezvous store (on a port the OS
-    picks while it binds) and the ranks join it as clients. A port found free and bound by
+    picks while it binds, on loopback only: `loopback_store`) and the ranks join it as clients. A port found free and bound by
     rank 0 seconds later, once it has imported torch, could be taken meanwhile by another
     job on the machine (a test suite's other worker starts ranks too).
 
@@ -31,13 +59,12 @@ def start_local_ranks(cmd: list[str], world: int, capture: bool = True, **popen_
         The processes, rank 0 first, with the store. Each has one OpenMP thread, as under
         torchrun.
     """
-    import torch.distributed as dist
     procs = LocalRanks()
-    procs.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs.store = loopback_store()
     if capture:
         popen_kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(procs.store.port), RANK=str(rank),
+        env = dict(os.environ, MASTER_ADDR=LOOPBACK, MASTER_PORT=str(procs.store.port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
                    TORCHELASTIC_USE_AGENT_STORE="True")  # join this process's store, as under torchrun
         procs.append(subprocess.Popen(cmd, env=env, **popen_kwargs))

@@ -150,7 +150,7 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, mesh:
     graphs = [graph] + [g for prog in programs for g in (prog.prologue, prog.chunk, prog.epilogue) if g is not None]
     agreed = fingerprint(graphs, named, plan, schedule, shapes, shared=list(shared_ids), check_values=check_values)
     agreed["layout"] = str(layout)
-    check_agreement(agreed, mesh.rank, layout.world)
+    check_agreement(agreed, mesh.rank, layout.world, options.timeout_s)
     chunk_fn = chunk_fn_factory(program.chunk, recompute=chunk_recompute(options, plan)) if chunk_fn_factory else None
     executor = PipelineExecutor(program, params, plan, schedule, mesh, chunk_fn, options.timeout_s, shared,
                                 store, quota)

@@ -9,8 +9,10 @@ docs/architecture.md, section 3 "Memory model" (tiers).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
+import stat
 import tempfile
 import zlib
 
@@ -84,24 +86,42 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _leftover_pattern() -> re.Pattern:
+    """The whole name of a store dir of this host: `_dir_prefix()` and mkdtemp's 8 random
+    characters. Matched in full, so that on host `vm` a dir of host `vm_5`
+    (`sppo_store_vm_5_<pid>_<8 chars>`) is not read as process 5's."""
+    return re.compile(re.escape(f"sppo_store_{socket.gethostname()}_") + r"([0-9]+)_[a-z0-9_]{8}")
+
+
 def sweep_leftovers(parent: str | None = None) -> list[str]:
     """Remove the store dirs in `parent` (default: the temp dir) left by processes of this
-    host that are no longer running (a killed run); returns what was removed. Dirs of live
-    processes and of other hosts are left alone."""
+    host that are no longer running (a killed run); returns what was removed. Only a real
+    directory (not a link) that this user owns, whose name is exactly a store dir's of this
+    host (`_leftover_pattern`), of a process that is not running, is removed; anything that
+    could not be removed is not reported."""
     parent = parent or tempfile.gettempdir()
-    head = f"sppo_store_{socket.gethostname()}_"
+    pattern = _leftover_pattern()
     removed = []
     try:
         names = os.listdir(parent)
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(head):
+        match = pattern.fullmatch(name)
+        if match is None:
             continue
-        pid = name[len(head):].split("_", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            path = os.path.join(parent, name)
-            shutil.rmtree(path, ignore_errors=True)
+        pid = int(match.group(1))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue  # a link, a file, or another user's: not ours to remove
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
             removed.append(path)
     return removed
 
