@@ -31,6 +31,7 @@ import time
 import torch.fx as fx
 
 from sppo_fx.capture import Captured, strip_asserts
+from sppo_fx.errors import SppoError
 from sppo_fx.log import enable, get_logger
 from sppo_fx.passes.causal_mask import recognize_causal_masks
 from sppo_fx.passes.explicit_attention import recognize_explicit_attention
@@ -118,6 +119,7 @@ def transform_stages(captured: Captured, num_stages: int, split_points: list[str
     """
     from sppo_fx.passes.stage_split import split_stages
     gm, whole = transform(captured, log=log)
+    _refuse_carried(whole, captured)
     params = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in captured.param_fqns]
     stages = split_stages(gm, captured.seq, params, captured.input_names, num_stages, split_points)
     programs = []
@@ -127,3 +129,20 @@ def transform_stages(captured: Captured, num_stages: int, split_points: list[str
         programs.append(chunk_program(st.graph, captured.seq, used, captured.input_names, st.recvs))
         _log.debug("---- stage %d: blocks %s ----\n%s", st.index, st.blocks, programs[-1].chunk.code)
     return gm, stages, programs
+
+
+def _refuse_carried(program: ChunkedProgram, captured: Captured) -> None:
+    """A loss that reads input values besides its per-token reductions (`loss * w.mean()`)
+    is computed exactly on one process only: the runtime sums the partials of every data-
+    and sequence-parallel rank, which would count such a value once per rank (and a
+    per-sample input's value differs between the ranks' shares of the batch)."""
+    labels = dict(zip(captured.input_names, captured.input_labels or captured.input_names))
+    for site in program.reductions:
+        if site.op == "carried":
+            names = ", ".join(labels.get(n, n) for n in site.inputs) or site.name
+            raise SppoError(
+                f"the loss reads the input {names} outside its reductions over the sequence "
+                f"({site.source}); sppo_fx computes such a loss on one process only, not with "
+                "stages, data_parallel or seq_parallel. Fold the input into a per-token loss "
+                "(e.g. weight each token's loss with reduction='none' before its sum) or train "
+                "on one process")

@@ -12,8 +12,8 @@ source, per sequence reduction):
                                              prefix_causal_attention(q, k_prefix, k, v_prefix, v)
                                                                   (k_prefix, v_prefix: placeholders)
                                              k, v                               (outputs)
-    cross_entropy(x, y, mean)          ->    cross_entropy(x, y, sum), sum(y != ignore_index)
-    mean(x) / sum(x)                   ->    sum(x) [, numel(x)]                 (partials out)
+    cross_entropy(x, y, mean)          ->    cross_entropy(x, y, sum), its divisor (partials out;
+    mean(x) / sum(x)                   ->    sum(x) [, numel(x)]          passes/loss_epilogue.py)
 
 Values computed only from the inputs that mix positions (Hugging Face's label shift:
 pad + slice) go to the *prologue*, which runs once on the full sequence; the runtime
@@ -38,7 +38,8 @@ from torch.utils._sympy.functions import FloorDiv
 
 from sppo_fx.attention import document_causal_attention, prefix_causal_attention
 from sppo_fx.errors import SppoError, describe_node, source_line
-from sppo_fx.passes.seqdim import _is_size_node, arg_expr, loss_reduction
+from sppo_fx.passes.loss_epilogue import carried_partial, input_ancestors, reduction_partials
+from sppo_fx.passes.seqdim import INPUT, _is_size_node, arg_expr
 
 aten = torch.ops.aten
 
@@ -76,12 +77,15 @@ class ReductionSite:
         op: e.g. "cross_entropy(mean)", "mean", "sum".
         source: the user's source line.
         has_count: whether a denominator partial (count / numel) is accumulated too.
+        inputs: for a value carried to the epilogue (op "carried", `loss_epilogue`), the
+            user-input placeholders it is computed from.
     """
 
     name: str
     op: str
     source: str
     has_count: bool
+    inputs: tuple = ()
 
 
 @dataclasses.dataclass
@@ -208,6 +212,10 @@ class _Builder:
         expr = arg_expr(node, self.seq)
         if expr is None:
             raise SppoError(f"{describe_node(node)}: a non-integer size is not supported")
+        return self.expr(expr)
+
+    def expr(self, expr: sympy.Expr):
+        """An integer sympy expression of the sequence symbol, at this graph's length."""
         return build_size(self.graph, expr, {self.seq: self.length})
 
     def get(self, node: fx.Node, lazy: bool = False):
@@ -317,33 +325,6 @@ def _sliced_input(b: _Builder, placeholder: fx.Node, node: fx.Node, spec: Bounda
     return b.graph.call_function(aten.contiguous.default, (placeholder,))
 
 
-def _reduction_partials(b: _Builder, node: fx.Node) -> tuple[str, list]:
-    if node.target is aten.cross_entropy_loss.default:
-        args = list(node.args) + [None] * (6 - len(node.args))
-        inp, tgt = b.get(args[0]), b.get(args[1])
-        weight = node.kwargs.get("weight", args[2])
-        weight = b.get(weight) if isinstance(weight, fx.Node) else weight
-        ignore = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
-        smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
-        reduction = loss_reduction(node)
-        total = b.graph.call_function(aten.cross_entropy_loss.default, (inp, tgt, weight, 2, ignore, smoothing))
-        if reduction == 2:
-            return "cross_entropy(sum)", [total]
-        if weight is not None:
-            raise SppoError(f"{describe_node(node)}: a class-weighted mean cross-entropy is not "
-                            "supported yet; use reduction='sum' and divide by your own count")
-        valid = b.graph.call_function(aten.ne.Scalar, (tgt, ignore))
-        count = b.graph.call_function(aten.sum.default, (valid,))
-        return "cross_entropy(mean)", [total, count]
-    x = b.get(node.args[0])
-    total = b.graph.call_function(aten.sum.default, (x,), dict(node.kwargs))
-    if node.target is aten.sum.default:
-        return "sum", [total]
-    numel = b.graph.call_function(aten.sym_numel.default, (x,))
-    count = b.graph.call_function(aten.scalar_tensor.default, (numel,), {"dtype": torch.int64})
-    return "mean", [total, count]
-
-
 def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
                   input_names: list[str], activations: list[str] = ()) -> ChunkedProgram:
     """Split an analysed graph (`seqdim.analyse` ran on it) into prologue, chunk, epilogue.
@@ -385,6 +366,14 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
             raise SppoError(f"stage output {o} has no sequence dim; a pipeline stage may only hand "
                             "per-token activations to the next stage")
 
+    # Values the epilogue reads that depend on the inputs and are no reductions: each chunk
+    # computes them, the first chunk hands them on (`loss_epilogue.carried_partial`).
+    carried = []
+    for n in nodes:
+        if n in epilogue_set:
+            carried += [a for a in n.all_input_nodes if a not in carried and not _is_size_node(a)
+                        and role.get(a) not in ("reduction", "epilogue") and INPUT in _info(a).origin]
+
     # Values that cross from the prologue / user inputs into the per-chunk region.
     boundaries: list[fx.Node] = []
     for n in nodes:
@@ -394,6 +383,7 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
             if (a in prologue_set or (a.op == "placeholder" and a.name in input_names)) \
                     and not _is_size_node(a) and a not in boundaries:
                 boundaries.append(a)
+    boundaries += [a for a in carried if (a in prologue_set or a.op == "placeholder") and a not in boundaries]
     boundary_specs = []
     for a in boundaries:
         dims = _info(a).seq_dims
@@ -459,11 +449,15 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
                                            _prefix_shape(n.args[2], seq), n.args[1].meta["val"].dtype,
                                            n.kwargs.get("window"), documents.name if documents is not None else None))
         elif r == "reduction":
-            op, parts = _reduction_partials(cb, n)
+            op, parts = reduction_partials(cb, n)
             partials += parts
             red_sites.append(ReductionSite(n.name, op, source_line(n), len(parts) == 2))
         else:
             cb.copy(n)
+    for a in carried:
+        partials.append(carried_partial(cb, cb.get(a), start))
+        red_sites.append(ReductionSite(a.name, "carried", source_line(a), False,
+                                       tuple(input_ancestors(a, input_names))))
     chunk = cb.finish(partials + [cb.get(o) for o in send_nodes] + kv_out)
     # Drop boundary inputs the chunk program does not read (their consumers were dead).
     used = {p.name for p in chunk.graph.nodes if p.op == "placeholder" and p.users}
@@ -481,8 +475,8 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
 
     epilogue, epilogue_params = None, []
     if loss_outputs:
-        epilogue, epilogue_params = _epilogue(nodes, by_name, seq, param_names, reductions, red_sites,
-                                              epilogue_set, loss_outputs[0])
+        epilogue, epilogue_params = _epilogue(nodes, by_name, seq, param_names, red_sites, epilogue_set,
+                                              loss_outputs[0])
     # Parameters neither program reads (e.g. another pipeline stage's) are not inputs.
     needed = set(epilogue_params)
     for ph in list(chunk.graph.nodes):
@@ -499,14 +493,15 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
                           sends=[Activation.of(o, seq) for o in send_nodes])
 
 
-def _epilogue(nodes, by_name, seq, param_names, reductions, red_sites, epilogue_set, loss):
+def _epilogue(nodes, by_name, seq, param_names, red_sites, epilogue_set, loss):
     """The epilogue graph: (seq_len, *params it reads, *partial totals) -> loss."""
     eb = _Builder(seq)
     eb.length = eb.placeholder("seq_len")
     for name in param_names:
         eb.env[by_name[name]] = eb.placeholder(name, by_name[name])
-    for site, n in zip(red_sites, reductions):
-        total = eb.placeholder(f"{n.name}_sum")
+    for site in red_sites:
+        n = by_name[site.name]
+        total = eb.placeholder(f"{n.name}_{'carried' if site.op == 'carried' else 'sum'}")
         if site.has_count:
             count = eb.placeholder(f"{n.name}_count")
             eb.env[n] = _copy_meta(eb.graph.call_function(aten.div.Tensor, (total, count)), n)

@@ -40,6 +40,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.markers import SPLIT_POINT
+from sppo_fx.passes.loss_epilogue import LOSSES, class_dim_reason, loss_reduction
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -55,7 +56,7 @@ _LAYOUT_OPS = {
     aten.contiguous.default, aten.alias.default, aten.detach.default, aten.detach_.default,
     aten.lift_fresh_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
     aten._to_copy.default, aten.type_as.default, aten.expand_as.default,
-    aten.dropout.default, aten.stack.default,
+    aten.dropout.default, aten.stack.default, aten.broadcast_tensors.default,
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
     SPLIT_POINT,
 }
@@ -93,7 +94,7 @@ _ALONG_ONE_DIM = {aten.topk.default: (2, -1), aten.sort.default: (1, -1), aten.s
                   aten.cumsum.default: (1, None), aten.cumprod.default: (1, None),
                   aten.repeat_interleave.self_int: (2, None)}
 _FULL_REDUCTIONS = {aten.sum.default, aten.mean.default}
-_LOSSES = {aten.cross_entropy_loss.default}
+_LOSSES = LOSSES
 _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
               aten.zeros.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default}
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
@@ -279,6 +280,8 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
         return None  # sources: classified by `kind`, rewritten by the chunk pass
     if target is SDPA or target in (windowed_causal_attention, document_causal_attention):
         return "attention"
+    if target in _LOSSES and (why := class_dim_reason(node, seq)):
+        return why
     if target in _FULL_REDUCTIONS or target in _LOSSES:
         if target in _LOSSES and loss_reduction(node) == 0:
             return None  # reduction="none" is token-local
@@ -338,11 +341,6 @@ def _index_mixing_reason(node: fx.Node, x, seq) -> str | None:
     return None
 
 
-def loss_reduction(node: fx.Node) -> int:
-    """The `reduction` argument of a loss node: 0 none, 1 mean, 2 sum."""
-    return node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-
-
 def _origin(node: fx.Node, kinds: dict, param_names: set[str], seq, activations: set[str]) -> frozenset:
     if node.op == "placeholder":
         if node.name in activations:  # received from the previous pipeline stage
@@ -372,6 +370,23 @@ def _kind(node: fx.Node, origin: frozenset) -> str:
     if POSITION in origin:
         return POSITION
     return PARAM
+
+
+def _check_attention_length(node: fx.Node, seq) -> None:
+    """A causal attention site is chunked as attention over the model's T positions: its
+    queries' and keys' sequence dim (-2) must be exactly T. A dim that merely involves T
+    (2T after folding a dim of 2 into it, B*T after folding the batch) holds other rows
+    than positions 0..T-1 in order, and a chunk's causal prefix would be the wrong one."""
+    for what, arg in (("queries", node.args[0]), ("keys", node.args[1])):
+        size = expr_of(arg.meta["val"].shape[-2])
+        if sympy.simplify(size - seq) != 0:
+            shape = [str(expr_of(s).subs(seq, sympy.Symbol("T"))) for s in arg.meta["val"].shape]
+            raise SppoError(
+                f"{describe_node(node)}: causal attention whose {what} have {shape[-2]} rows along the "
+                f"sequence dim (-2), not the model's sequence length T (shape [{', '.join(shape)}]); "
+                "a reshape folded another dim into the sequence. "
+                "sppo_fx chunks attention over positions 0..T-1 only: keep the other dim apart "
+                "(e.g. as a batch or head dim)")
 
 
 def is_causal_sdpa(node: fx.Node) -> bool:
@@ -412,13 +427,7 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
                     f"{describe_node(node)} combines a value reduced over the sequence with a "
                     "per-token value; sppo_fx needs the loss to be a reduction over the sequence "
                     "followed by scalar operations only")
-            if any(infos[n].role == "prologue" for n in _tensor_inputs(node)):
-                raise SppoError(
-                    f"{describe_node(node)} combines the loss with a value computed from the inputs "
-                    "over the whole sequence (e.g. a mask's `sum()`), which the end of the step does "
-                    "not receive. For a mean over unmasked tokens, set their labels to the loss's "
-                    "`ignore_index` instead")
-            info.role = "epilogue"
+            info.role = "epilogue"  # input values it reads are carried (passes/loss_epilogue.py)
             continue
         if any(free_unbacked_symbols(v) for v in _tensor_vals(node.meta.get("val"))):
             raise SppoError(
@@ -447,10 +456,12 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
             info.role = "prologue"
             continue
         if node.target in (windowed_causal_attention, document_causal_attention):  # proven by passes.causal_mask
+            _check_attention_length(node, seq)
             info.role = "attention"
             continue
         if node.target is SDPA:
             if is_causal_sdpa(node) and (len(node.args) <= 4 or node.args[4] == 0.0):
+                _check_attention_length(node, seq)
                 info.role = "attention"
                 continue
             mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
@@ -461,7 +472,7 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
                 f"{describe_node(node)}: attention {why}. sppo_fx chunks the sequence and needs "
                 "causal attention (is_causal=True, or a causal mask built from positions), "
                 "with dropout_p=0")
-        if node.target in _FULL_REDUCTIONS or node.target in _LOSSES:
+        if node.target in _FULL_REDUCTIONS or (node.target in _LOSSES and not class_dim_reason(node, seq)):
             if any(len(infos[n].seq_dims) > 1 for n in _tensor_inputs(node)):
                 raise SppoError(
                     f"{describe_node(node)} reduces a value with more than one sequence dimension (a "
