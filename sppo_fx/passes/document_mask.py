@@ -96,10 +96,6 @@ class DocumentMaskEvaluator(MaskEvaluator):
                 or not _is_seq_size(val.shape[-1], self.seq):
             raise NotProvable(f"it depends on the input '{node.name}', which is not a [batch, seq] integer "
                               "tensor (position ids or document ids)")
-        if val.dtype not in (torch.int64, torch.int32):
-            # steps and offsets of narrow ids wrap (int8: 127 + 1 == -128) where positions do not
-            raise NotProvable(f"the input '{node.name}' holds positions or document ids as {val.dtype}, which "
-                              "wrap: pass them as torch.int64")
         rows = val.shape[0] if val.dim() == 2 else 1
         return Tok(node, "raw", -1, -2 if rows != 1 else None, Fraction(0), val.dim())
 
@@ -175,6 +171,7 @@ class DocumentMaskEvaluator(MaskEvaluator):
             return None
         src = self.value(diff.args[0])
         if isinstance(src, Tok) and src.role == "raw" and src.offset == 0 and src.seq_key == dim % nd - nd:
+            _wide(src, node)
             return dataclasses.replace(src, role="segments")
         if isinstance(src, Affine) and dict(src.coefs).get(dim % nd - nd) == 1 \
                 and _is_first_minus_one(prepend, diff.args[0], ddim % nd):
@@ -256,6 +253,7 @@ class DocumentMaskEvaluator(MaskEvaluator):
             c = c.item()
         if x.role != "raw" or isinstance(c, bool) or not isinstance(c, int) or not isinstance(alpha, int):
             raise NotProvable(f"{node.name} adds something other than an integer to values read from the input")
+        _wide(x, node)
         sign = -1 if node.target in (aten.sub.Tensor, aten.sub.Scalar) else 1
         return dataclasses.replace(x, offset=x.offset + sign * alpha * c)
 
@@ -274,6 +272,7 @@ class DocumentMaskEvaluator(MaskEvaluator):
                        a.batch_key, nd)
         if a.role != "raw":
             raise NotProvable(f"{node.name} orders document indices")
+        _wide(a, node)
         # inside one run where the root steps by 1, root[j] - root[i] = j - i
         diff = Affine(tuple(sorted(((a.seq_key, 1), (b.seq_key, -1)))), a.offset - b.offset, nd)
         return Seg(Documents(a.root.name, "position_ids"), _affine_predicate(diff, op, node), None, a.batch_key, nd)
@@ -307,6 +306,15 @@ class DocumentMaskEvaluator(MaskEvaluator):
         if not isinstance(inside, Band) or (outside is not None and not isinstance(outside, Band)):
             raise NotProvable(f"{node.name} does not give a mask over query and key positions")
         return Seg(segs[0].docs, inside, outside, next(iter(batch), None), ndim)
+
+
+def _wide(tok: Tok, node: fx.Node) -> None:
+    """Positions read from the input step by 1 inside a document only if they cannot wrap:
+    in int8, 127 is followed by -128 (127 + 1 wraps), yet -128 < 127 orders them backwards."""
+    dtype = tok.root.meta["val"].dtype
+    if dtype not in (torch.int64, torch.int32):
+        raise NotProvable(f"{node.name} orders or offsets positions read from the input '{tok.root.name}', "
+                          f"which holds them as {dtype} and wraps: pass them as torch.int64")
 
 
 def _const_band(value: bool, ndim: int) -> Band:
