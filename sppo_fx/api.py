@@ -30,6 +30,7 @@ from sppo_fx.errors import SppoError
 from sppo_fx.log import get_logger, phase
 from sppo_fx.options import CompileOptions, check_inputs, check_options, load_plan, seq_len_of
 from sppo_fx.passes import transform
+from sppo_fx.passes.mask_values import check_seq_limit
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan, even_plan
@@ -138,6 +139,7 @@ class SppoCompiled:
         seq_len = lengths[0]
         if any(n != seq_len for n in lengths):
             raise SppoError(f"inputs disagree on the sequence length: {lengths}")
+        check_seq_limit(entry.graph, seq_len)  # masks proven only up to a length (positions in a narrow dtype)
         plan = self._budget_plan(entry, seq_len) if self.options.budget is not None else self.plan_for(seq_len, entry.cost)
         if self.options.verify and not entry.verified:
             self._verify(model, entry, (args, kwargs, target), plan)
@@ -270,6 +272,7 @@ class SppoCompiled:
             first = not any(isinstance(k, tuple) and k[0] == "pipeline" for k in self._cache)
             state = build_pipeline(model, self._fn, o, mbs, self, mesh, factory, self.store,
                                    check_values=first)
+            check_seq_limit(state.graph, seq_len)  # masks proven only up to a length (narrow dtypes)
             if o.verify:
                 self._verify_pipeline(model, (args, kwargs, target), mesh, state, factory)
             self._cache[key] = state
