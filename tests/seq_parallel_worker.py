@@ -51,9 +51,11 @@ def check(rank: int, heads: int, kv_heads: int, prefix: int, split=(6, 5)) -> di
     with active_split(split):
         k_in = k_local.repeat_interleave(reps, 1) if reps > 1 else k_local
         v_in = v_local.repeat_interleave(reps, 1) if reps > 1 else v_local
-        q2, k2, v2 = (seq_to_heads(t, total, parts, "sp") for t in (q_local, k_in, v_in))
+        q2, t = seq_to_heads(q_local, None, total, parts, "sp")
+        k2, t = seq_to_heads(k_in, t, total, parts, "sp")
+        v2, t = seq_to_heads(v_in, t, total, parts, "sp")
         att = prefix_causal_attention(q2, kp, k2, vp, v2, enable_gqa=True)
-        out = heads_to_seq(att, hi - lo, parts, "sp")
+        out, _t = heads_to_seq(att, t, hi - lo, parts, "sp")
         out.backward(upstream[:, :, lo:hi])
     gp_ref = [t.grad[:, :, :prefix].reshape(2, kv_heads, 1, prefix, 8) for t in ref[1:]]
     diffs = {

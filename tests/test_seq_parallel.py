@@ -47,7 +47,7 @@ def test_pass_puts_all_to_alls_around_every_attention_and_keeps_this_ranks_heads
         assert after.k_shape[1] == before.k_shape[1] // 2  # the kept K/V: 1/S of the heads
     # the program's K/V outputs are the all-to-all's (this rank's heads, the whole chunk)
     out = next(n for n in sharded.chunk.graph.nodes if n.op == "output").args[0]
-    assert all(o.target is torch.ops.sppo.seq_to_heads.default for o in out[-4:])
+    assert all(o.args[0].target is torch.ops.sppo.seq_to_heads.default and o.args[1] == 0 for o in out[-4:])
 
 
 def test_kv_heads_are_repeated_only_when_seq_parallel_exceeds_them():

@@ -12,6 +12,15 @@ Each op's backward is the other one (an all-to-all is a permutation of blocks, s
 gradient is the inverse permutation). Heads travel in contiguous blocks of heads / S, so
 rank j holds heads [j·H/S, (j+1)·H/S) and grouped-query groups stay whole.
 
+Collectives pair up by their order on each rank, and nothing else: if rank 0 sends its dq
+while rank 1 sends its dk (same sizes), the exchange mixes them with no error. A graph does
+not fix the order of independent nodes (q, k and v's all-to-alls, and their gradients'),
+and a compiler may pick any order, differently on each rank (Inductor did: HF Llama's q/k/v
+gradients came back swapped, issue 26). So every op takes the token of the collective
+before it (`after`) and returns its own: the pass chains a program's collectives through
+them, and the backward chains the gradients' all-to-alls through the tokens' gradients, in
+reverse. The order is then data, the same on every rank under any schedule.
+
 The ranks of a chunk may hold different numbers of tokens (the plan gives every chunk its
 own split over the SP ranks): the running chunk's split is runtime state, set by the
 executor with `active_split` around the chunk's forward and backward, as `ops.offload`'s
@@ -72,9 +81,16 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, gro
                         f"group (ranks {members}) stopped or failed") from e
 
 
+def _token(x: torch.Tensor) -> torch.Tensor:
+    """A fresh token, made after this rank's collective has run (float: it carries a gradient)."""
+    return torch.zeros((), dtype=torch.float32, device=x.device)
+
+
 @torch.library.custom_op("sppo::seq_to_heads", mutates_args=())
-def seq_to_heads(x: torch.Tensor, total: int, parts: int, group: str) -> torch.Tensor:
-    """[b, H, tokens of this rank, d] -> [b, H/parts, `total` tokens of the chunk, d]."""
+def seq_to_heads(x: torch.Tensor, after: torch.Tensor | None, total: int, parts: int,
+                 group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, H, tokens of this rank, d] -> ([b, H/parts, `total` tokens of the chunk, d], token),
+    run after the collective whose token is `after`."""
     lengths, _pg, rank = _split(group, total)
     b, h, local, d = x.shape
     if local != lengths[rank]:
@@ -85,18 +101,20 @@ def seq_to_heads(x: torch.Tensor, total: int, parts: int, group: str) -> torch.T
     recv = x.new_empty(b * block * total * d)
     _all_to_all(recv, send, [b * block * n * d for n in lengths], [b * block * local * d] * parts, group)
     pieces = recv.split([b * block * n * d for n in lengths])
-    return torch.cat([p.view(b, block, n, d) for p, n in zip(pieces, lengths)], dim=2)
+    return torch.cat([p.view(b, block, n, d) for p, n in zip(pieces, lengths)], dim=2), _token(x)
 
 
 @seq_to_heads.register_fake
-def _(x, total, parts, group):
+def _(x, after, total, parts, group):
     b, h, _local, d = x.shape
-    return x.new_empty(b, h // parts, total, d)
+    return x.new_empty(b, h // parts, total, d), x.new_empty((), dtype=torch.float32)
 
 
 @torch.library.custom_op("sppo::heads_to_seq", mutates_args=())
-def heads_to_seq(x: torch.Tensor, local: int, parts: int, group: str) -> torch.Tensor:
-    """[b, H/parts, tokens of the chunk, d] -> [b, H, `local` tokens of this rank, d]."""
+def heads_to_seq(x: torch.Tensor, after: torch.Tensor | None, local: int, parts: int,
+                 group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, H/parts, tokens of the chunk, d] -> ([b, H, `local` tokens of this rank, d], token),
+    run after the collective whose token is `after`."""
     b, block, total, d = x.shape
     lengths, _pg, rank = _split(group, total)
     if local != lengths[rank]:
@@ -108,31 +126,37 @@ def heads_to_seq(x: torch.Tensor, local: int, parts: int, group: str) -> torch.T
     # drops a model's `.transpose(1, 2).contiguous()` when it was free at trace time, so the
     # graph may `view` the transposed output directly
     out = recv.view(parts, b, block, local, d).permute(1, 3, 0, 2, 4).contiguous()
-    return out.view(b, local, parts * block, d).transpose(1, 2)
+    return out.view(b, local, parts * block, d).transpose(1, 2), _token(x)
 
 
 @heads_to_seq.register_fake
-def _(x, local, parts, group):
+def _(x, after, local, parts, group):
     b, block, _total, d = x.shape
-    return x.new_empty(b, local, block * parts, d).transpose(1, 2)
+    return x.new_empty(b, local, block * parts, d).transpose(1, 2), x.new_empty((), dtype=torch.float32)
 
+
+# The gradients' all-to-alls run in the reverse order of the forward's: op i's backward
+# waits for its token's gradient, which op i+1's backward returns as the gradient of its
+# `after` (op i's token), made by that backward's own collective.
 
 def _seq_to_heads_setup(ctx, inputs, output):
-    x, _total, parts, group = inputs
-    ctx.local, ctx.parts, ctx.group = x.shape[2], parts, group
+    x, after, _total, parts, group = inputs
+    ctx.local, ctx.parts, ctx.group, ctx.chained = x.shape[2], parts, group, after is not None
 
 
-def _seq_to_heads_backward(ctx, grad):
-    return heads_to_seq(grad.contiguous(), ctx.local, ctx.parts, ctx.group), None, None, None
+def _seq_to_heads_backward(ctx, grad, grad_token):
+    gx, token = heads_to_seq(grad.contiguous(), grad_token, ctx.local, ctx.parts, ctx.group)
+    return gx, token if ctx.chained else None, None, None, None
 
 
 def _heads_to_seq_setup(ctx, inputs, output):
-    x, _local, parts, group = inputs
-    ctx.total, ctx.parts, ctx.group = x.shape[2], parts, group
+    x, after, _local, parts, group = inputs
+    ctx.total, ctx.parts, ctx.group, ctx.chained = x.shape[2], parts, group, after is not None
 
 
-def _heads_to_seq_backward(ctx, grad):
-    return seq_to_heads(grad.contiguous(), ctx.total, ctx.parts, ctx.group), None, None, None
+def _heads_to_seq_backward(ctx, grad, grad_token):
+    gx, token = seq_to_heads(grad.contiguous(), grad_token, ctx.total, ctx.parts, ctx.group)
+    return gx, token if ctx.chained else None, None, None, None
 
 
 seq_to_heads.register_autograd(_seq_to_heads_backward, setup_context=_seq_to_heads_setup)

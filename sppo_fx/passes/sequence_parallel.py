@@ -8,12 +8,17 @@ all-to-alls of `ops.seq_parallel`:
 
     chunk program                             after the pass
     ─────────────                             ──────────────
-    k = contiguous(k); v = contiguous(v)      k = seq_to_heads(k)        (repeat K/V heads first
-                                              v = seq_to_heads(v)         when S exceeds them)
-    out = prefix_causal_attention(            q = seq_to_heads(q)
-        q, k_prefix, k, v_prefix, v)          out = heads_to_seq(prefix_causal_attention(
-                                                  q, k_prefix, k, v_prefix, v))
+    k = contiguous(k); v = contiguous(v)      k, t = seq_to_heads(k, t)  (repeat K/V heads first
+                                              v, t = seq_to_heads(v, t)   when S exceeds them)
+    out = prefix_causal_attention(            q, t = seq_to_heads(q, t)
+        q, k_prefix, k, v_prefix, v)          out, t = heads_to_seq(prefix_causal_attention(
+                                                  q, k_prefix, k, v_prefix, v), t)
     outputs: ..., k, v                        outputs: ..., k, v  (this rank's heads, whole chunk)
+
+The token `t` chains every all-to-all of the program to the one before it (the first takes
+None): collectives pair up across ranks by their order alone, and a compiler may otherwise
+run independent ones (q, k, v's, and their gradients') in a different order on each rank
+(`ops.seq_parallel`).
 
 so the K/V a rank keeps (its skeleton, its K/V prefix) holds H_kv/S heads of every token:
 1/S of the whole. A new placeholder `sp_chunk_len` (the whole chunk's tokens) follows
@@ -24,6 +29,7 @@ partial sums of this rank's tokens, which the executor sums over the ranks
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -85,6 +91,14 @@ def shard_attention_heads(program: ChunkedProgram, parts: int, group: str) -> Ch
                         f"seq_parallel={parts} does not support yet (each rank would need the whole chunk's "
                         "document positions): use seq_parallel=1 with packed documents")
     sites = []
+    token = None  # the last all-to-all's token, in graph order (calls are in graph order)
+
+    def collective(op, x, size):
+        nonlocal token
+        node = g.call_function(op, (x, token, size, parts, group))
+        token = g.call_function(operator.getitem, (node, 1))
+        return g.call_function(operator.getitem, (node, 0))
+
     for k_idx, (call, site) in enumerate(zip(calls, program.attention)):
         q, kp, k, vp, v = call.args[:5]
         if "val" not in q.meta:
@@ -95,18 +109,17 @@ def shard_attention_heads(program: ChunkedProgram, parts: int, group: str) -> Ch
             if repeats > 1:
                 k = g.call_function(torch.ops.aten.repeat_interleave.self_int, (k, repeats, 1))
                 v = g.call_function(torch.ops.aten.repeat_interleave.self_int, (v, repeats, 1))
-            k2 = g.call_function(_seq_to_heads, (k, total, parts, group))
-            v2 = g.call_function(_seq_to_heads, (v, total, parts, group))
-            q2 = g.call_function(_seq_to_heads, (q, total, parts, group))
+            k2 = collective(_seq_to_heads, k, total)
+            v2 = collective(_seq_to_heads, v, total)
+            q2 = collective(_seq_to_heads, q, total)
         kwargs = dict(call.kwargs)
         if repeats > 1 or kv_heads != q_heads:
             kwargs["enable_gqa"] = True
         with g.inserting_after(call):
             att = g.call_function(prefix_causal_attention, (q2, kp, k2, vp, v2), kwargs)
-        with g.inserting_after(att):
-            back = g.call_function(_heads_to_seq, (att, chunk_len, parts, group))
+        with g.inserting_before(att.next):  # in order (inserting_after would stack them in reverse)
+            back = collective(_heads_to_seq, att, chunk_len)
         call.replace_all_uses_with(back)
-        back.args = (att, chunk_len, parts, group)  # replace_all_uses_with rewired its own input
         g.erase_node(call)
         kv_outs[2 * k_idx], kv_outs[2 * k_idx + 1] = k2, v2
         heads = int(kv_heads) * repeats // parts
