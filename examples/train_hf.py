@@ -132,7 +132,7 @@ def save_checkpoint(path: str, model, optimizer, step: int, config, losses: list
 def check_reload(path: str, model, optimizer, args) -> int:
     """Load the checkpoint into a fresh model and optimizer; returns the tensors compared."""
     import transformers
-    ckpt = torch.load(path, weights_only=False)
+    ckpt = torch.load(path, weights_only=True)  # data only: a checkpoint from elsewhere runs no code
     config = transformers.AutoConfig.for_model(**ckpt["config"])
     fresh = build_model(config, args.attn_implementation)
     fresh.load_state_dict(ckpt["model"])
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, start = [], 0
     if args.resume:
-        ckpt = torch.load(args.resume, weights_only=False)
+        ckpt = torch.load(args.resume, weights_only=True)  # data only: a checkpoint from elsewhere runs no code
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         losses, start = list(ckpt.get("losses", [])), int(ckpt["step"])

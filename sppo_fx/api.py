@@ -28,7 +28,8 @@ from sppo_fx.capture import Captured, capture, flatten_call
 from sppo_fx.codegen import CompiledProgram, compile_chunk_program
 from sppo_fx.errors import SppoError
 from sppo_fx.log import get_logger, phase
-from sppo_fx.options import CompileOptions, check_inputs, check_options, load_plan, seq_len_of
+from sppo_fx.options import (CompileOptions, check_call_options, check_inputs, check_options, load_plan,
+                             seq_len_of)
 from sppo_fx.passes import transform
 from sppo_fx.passes.mask_values import check_seq_limit
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
@@ -495,6 +496,8 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         decorator when `model` is omitted.
     """
     check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir)
+    check_call_options(seq_dim=seq_dim, partition=partition, loss_fn=loss_fn, compile=compile, log_passes=log_passes,
+                       split_points=split_points, mesh=mesh)
     if not isinstance(verify, bool):
         raise SppoError(f"verify={verify!r}: give True (check the first call against the model) or False")
     if budget is not None:

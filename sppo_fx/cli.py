@@ -2,9 +2,43 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
+
+from sppo_fx.units import positive_int
+
+
+def _bytes(text: str) -> int:
+    """argparse type: a size such as 256GiB (`units.parse_bytes`)."""
+    from sppo_fx.errors import SppoError
+    from sppo_fx.units import parse_bytes
+    try:
+        return parse_bytes(text, "size")
+    except SppoError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _tokens(text: str) -> int:
+    """argparse type: a sequence length such as 4M, 640K or 1000 (`planner.parse_tokens`)."""
+    from sppo_fx.errors import SppoError
+    from sppo_fx.planner import parse_tokens
+    try:
+        return parse_tokens(text)
+    except SppoError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _profile(text: str) -> str:
+    """argparse type: a built-in device profile's name."""
+    from sppo_fx.errors import SppoError
+    from sppo_fx.solver.profiles import get_profile
+    try:
+        get_profile(text)
+    except SppoError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _explain(args) -> int:
@@ -29,16 +63,17 @@ def _add_whatif_arguments(p: argparse.ArgumentParser) -> None:
     from sppo_fx.planner import MODELS
     p.add_argument("--model", default="gpt-7b", choices=sorted(MODELS) + ["custom"],
                    help="paper Table 2 model (or custom with --layers/--hidden/--heads)")
-    p.add_argument("--layers", type=int, default=None, help="override / custom: transformer blocks")
-    p.add_argument("--hidden", type=int, default=None, help="override / custom: hidden size")
-    p.add_argument("--heads", type=int, default=None, help="override / custom: attention heads")
-    p.add_argument("--vocab", type=int, default=None, help="override / custom: vocabulary (50257)")
-    p.add_argument("--seq", default="4M", help="tokens per sequence: 4M, 640K, 128k or an integer")
-    p.add_argument("--gpus", type=int, default=128, help="total GPUs = stages x sequence-parallel width")
-    p.add_argument("--device", default="a100-80gb", help="device profile: a100-80gb, h100, h200")
-    p.add_argument("--stages", type=int, default=None, help="fix the pipeline size P")
-    p.add_argument("--chunks", type=int, default=None, help="fix the chunk count N")
-    p.add_argument("--host-memory", default="256GiB", help="host memory per GPU for offloaded activations")
+    p.add_argument("--layers", type=positive_int, default=None, help="override / custom: transformer blocks")
+    p.add_argument("--hidden", type=positive_int, default=None, help="override / custom: hidden size")
+    p.add_argument("--heads", type=positive_int, default=None, help="override / custom: attention heads")
+    p.add_argument("--vocab", type=positive_int, default=None, help="override / custom: vocabulary (50257)")
+    p.add_argument("--seq", type=_tokens, default="4M", help="tokens per sequence: 4M, 640K, 128k or an integer")
+    p.add_argument("--gpus", type=positive_int, default=128, help="total GPUs = stages x sequence-parallel width")
+    p.add_argument("--device", type=_profile, default="a100-80gb", help="device profile: a100-80gb, h100, h200")
+    p.add_argument("--stages", type=positive_int, default=None, help="fix the pipeline size P")
+    p.add_argument("--chunks", type=positive_int, default=None, help="fix the chunk count N")
+    p.add_argument("--host-memory", type=_bytes, default="256GiB",
+                   help="host memory per GPU for offloaded activations")
     p.add_argument("--no-shard-optimizer", action="store_true",
                    help="keep fp32 master weights and Adam states on every GPU (16 B/param)")
 
@@ -46,7 +81,7 @@ def _add_whatif_arguments(p: argparse.ArgumentParser) -> None:
 def _whatif_report(args):
     from sppo_fx.planner import Cluster, get_model, parse_bytes, plan
     model = get_model(args.model, args.layers, args.hidden, args.heads, args.vocab)
-    cluster = Cluster(host_memory_bytes=parse_bytes(args.host_memory, "--host-memory"))
+    cluster = Cluster(host_memory_bytes=parse_bytes(args.host_memory, "--host-memory"))  # an int by now
     return plan(model, args.seq, args.gpus, args.device, cluster=cluster, stages=args.stages,
                 chunks=args.chunks, shard_optimizer=not args.no_shard_optimizer)
 
@@ -94,6 +129,24 @@ def _trace(args) -> int:
     return 0
 
 
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What one argument's type cannot see: how the arguments fit together (argparse errors)."""
+    if args.command in ("plan", "trace"):
+        if args.seq < args.gpus:
+            parser.error(f"--seq {args.seq} gives some of the {args.gpus} GPUs no token: give --seq >= --gpus "
+                         f"({args.gpus}) or fewer --gpus")
+        if args.stages is not None and args.stages > args.gpus:
+            parser.error(f"--stages {args.stages} is more than --gpus {args.gpus}: give --stages <= --gpus")
+        if args.chunks is not None and args.chunks > args.seq:
+            parser.error(f"--chunks {args.chunks} is more than the {args.seq} tokens of --seq: give fewer chunks")
+    if args.command == "trace":
+        where = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out) or not os.path.isdir(where):
+            parser.error(f"--out {args.out!r}: give a file name in an existing directory")
+    if args.command == "explain" and args.chunks > args.seq_len:
+        parser.error(f"--chunks {args.chunks} is more than --seq-len {args.seq_len}: give --chunks <= --seq-len")
+
+
 def main(argv: list[str] | None = None) -> int:
     from sppo_fx import demo
     parser = argparse.ArgumentParser(prog="sppo-fx", description=__doc__)
@@ -104,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p_explain = sub.add_parser("explain", help="the chunk plan and transformed graphs of a reference model")
     p_explain.add_argument("--model", choices=["gpt", "llama"], default="llama")
     p_explain.add_argument("--size", choices=["tiny", "small", "bench"], default="tiny")
-    p_explain.add_argument("--seq-len", type=int, default=64)
-    p_explain.add_argument("--batch", type=int, default=1)
-    p_explain.add_argument("--chunks", type=int, default=4)
+    p_explain.add_argument("--seq-len", type=positive_int, default=64)
+    p_explain.add_argument("--batch", type=positive_int, default=1)
+    p_explain.add_argument("--chunks", type=positive_int, default=4)
     p_explain.add_argument("--graphs", action="store_true", help="also print every transformed graph")
     p_explain.add_argument("--compile", action="store_true", help="compile with Inductor and list its generated code")
     p_explain.set_defaults(func=_explain)
@@ -133,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_cli.add_arguments(p_bench)
     p_bench.set_defaults(func=bench_cli.main)
     args = parser.parse_args(argv)
+    _check(sub.choices[args.command], args)
     return args.func(args)
 
 

@@ -3,8 +3,11 @@ checks that refuse option and input values no call could use, and loading a save
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import operator
 import os
+import tempfile
 from typing import Callable
 
 import torch
@@ -102,6 +105,21 @@ def load_plan(plan) -> Plan:
                 raise SppoError(f"plan={text!r} is neither a Plan's JSON nor an existing file")
             with open(text) as f:
                 text = f.read()
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise SppoError(f"plan= is not valid JSON ({e}): give the output of `sppo-fx plan --json` or "
+                            "Plan.to_json()") from None
+        if not isinstance(data, dict):
+            raise SppoError(f"plan= holds {type(data).__name__} JSON, not a plan (an object with seq_len and "
+                            "chunk_lengths)")
+        seq_len = data.get("seq_len")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise SppoError(f"plan= has seq_len={seq_len!r}: give the sequence length as a positive integer")
+        lengths = data.get("chunk_lengths")
+        if not isinstance(lengths, list) or not lengths or any(
+                isinstance(c, bool) or not isinstance(c, int) for c in lengths):
+            raise SppoError(f"plan= has chunk_lengths={lengths!r}: give a list of whole token counts")
         return Plan.from_json(text)
     raise SppoError(f"plan= takes a Plan, its JSON or a JSON file's path, got {type(plan).__name__}")
 
@@ -128,15 +146,89 @@ def check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout
     positive_int("microbatches", microbatches)
     if schedule not in SCHEDULES:
         raise SppoError(f"schedule={schedule!r}: choose one of {', '.join(map(repr, SCHEDULES))}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise SppoError(f"timeout_s={timeout_s!r}: give the seconds a rank waits for a peer, > 0")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise SppoError(f"timeout_s={timeout_s!r}: give the seconds a rank waits for a peer, a finite number > 0")
     if offload is not None:
         from sppo_fx.runtime.store import TIERS
         if offload not in TIERS:
             raise SppoError(f"offload={offload!r}: choose one of {', '.join(map(repr, TIERS))} (or None)")
-    if offload_dir is not None and not os.path.isdir(offload_dir):
+    if offload_dir is not None:
+        _check_offload_dir(offload_dir)
+    check_environment()
+
+
+def _check_offload_dir(offload_dir) -> None:
+    if not isinstance(offload_dir, (str, os.PathLike)) or not os.path.isdir(offload_dir):
         raise SppoError(f"offload_dir={offload_dir!r} does not exist (or is not a directory): create it "
                         "or give an existing one")
+    try:  # the disk tier writes there at the first step: find out now (a read-only mount, /proc)
+        fd, probe = tempfile.mkstemp(prefix=".sppo_fx_probe_", dir=offload_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise SppoError(f"offload_dir={offload_dir!r} is not writable ({e.strerror}): give a directory this "
+                        "user can write to") from None
+
+
+_SWITCH_VALUES = ("on", "off", "1", "0", "true", "false", "yes", "no")
+_SWITCHES = ("SPPO_FX_MEMORY_MODEL_CACHE", "SPPO_FX_PROFILE_CACHE", "SPPO_FX_FORK", "SPPO_FX_RECALIBRATE")
+
+
+def check_environment() -> None:
+    """Refuse values of the environment variables sppo_fx reads that it would misread, naming
+    the variable; make Inductor's cache directory private (`disk_cache.secure_inductor_cache`)."""
+    from sppo_fx.disk_cache import secure_inductor_cache
+    env = os.environ
+    for var in _SWITCHES:
+        value = env.get(var)
+        if value is not None and value.strip().lower() not in _SWITCH_VALUES + ("",):
+            raise SppoError(f"environment variable {var}={value!r}: set it to on or off (or 1/0, true/false, "
+                            "yes/no), or unset it")
+    passes = env.get("SPPO_FX_LOG_PASSES")
+    if passes is not None and passes.strip() not in ("", "0", "1"):
+        raise SppoError(f"environment variable SPPO_FX_LOG_PASSES={passes!r}: set it to 1 (print each graph after "
+                        "its pass) or 0; any other value reads as 1")
+    if env.get("SPPO_FX_LOG", "").strip():
+        from sppo_fx.log import _env_level
+        try:
+            _env_level()
+        except SppoError as e:
+            raise SppoError(f"environment variable SPPO_FX_LOG: {e}") from None
+    for var in ("SPPO_FX_CACHE_DIR", "XDG_CACHE_HOME"):
+        value = env.get(var)
+        if value and not os.path.isabs(value):
+            raise SppoError(f"environment variable {var}={value!r} is a relative path (it would change with the "
+                            "working directory): give an absolute path")
+    secure_inductor_cache()
+
+
+def check_call_options(*, seq_dim, partition, loss_fn, compile, log_passes, split_points, mesh) -> None:
+    """Refuse the other option values of `sppo_fx.compile` that no call could use."""
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        try:
+            seq_dim = operator.index(seq_dim)
+        except TypeError:
+            raise SppoError(f"seq_dim={seq_dim!r}: give the inputs' sequence dim as an integer "
+                            "(1 for [batch, seq])") from None
+    if seq_dim < 0:
+        raise SppoError(f"seq_dim={seq_dim}: give the sequence dim counted from the front (>= 0; 1 for "
+                        "[batch, seq])")
+    if partition not in ("balanced", "even"):
+        raise SppoError(f"partition={partition!r}: use 'balanced' or 'even'")
+    if loss_fn is not None and not callable(loss_fn):
+        raise SppoError(f"loss_fn={loss_fn!r} is not callable: give a function (output, target) -> loss, or None")
+    if not isinstance(compile, bool):
+        raise SppoError(f"compile={compile!r}: give True (Inductor) or False (eager)")
+    if log_passes is not None and not isinstance(log_passes, bool):
+        raise SppoError(f"log_passes={log_passes!r}: give True, False or None")
+    if split_points is not None and (isinstance(split_points, str) or not all(
+            isinstance(name, str) and name for name in split_points)):
+        raise SppoError(f"split_points={split_points!r}: give a list of module names, e.g. ['layers.4']")
+    if mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+        if not isinstance(mesh, DeviceMesh):
+            raise SppoError(f"mesh={mesh!r}: give a torch.distributed.device_mesh.DeviceMesh with dims named "
+                            "'pp', 'dp', 'sp' (or use stages / data_parallel / seq_parallel)")
 
 
 def seq_len_of(tensors: list[torch.Tensor], seq_dim: int) -> int:
@@ -149,9 +241,23 @@ def seq_len_of(tensors: list[torch.Tensor], seq_dim: int) -> int:
                     "to the inputs' sequence dim")
 
 
+MIN_SEQ_LEN = 2  # torch.export specialises a dim of size 1: no sequence length to chunk
+
+
 def check_inputs(model, tensors: list[torch.Tensor], seq_dim: int) -> None:
-    """Refuse inputs on several devices (or on another device than the model) and token
-    inputs (integer tensors shaped like the first) of different lengths along seq_dim."""
+    """Refuse inputs on several devices (or on another device than the model), empty or
+    sparse inputs, a sequence shorter than `MIN_SEQ_LEN`, and token inputs (integer
+    tensors shaped like the first) of different lengths along seq_dim."""
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            raise SppoError(f"input {i} is a {t.layout} tensor: give dense tensors (t.to_dense())")
+        if t.numel() == 0:
+            raise SppoError(f"input {i} is empty (shape {tuple(t.shape)}): give at least one sequence of at least "
+                            f"{MIN_SEQ_LEN} tokens")
+    seq_len = seq_len_of(tensors, seq_dim)
+    if seq_len < MIN_SEQ_LEN:
+        raise SppoError(f"the sequence is too short: {seq_len} token(s) along seq_dim={seq_dim}; sppo_fx chunks "
+                        f"sequences of at least {MIN_SEQ_LEN} tokens (run a shorter one without sppo_fx)")
     devices = {t.device for t in tensors}
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     if params and params[0].device not in devices:

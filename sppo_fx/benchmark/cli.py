@@ -32,10 +32,11 @@ AXIS_HELP = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=["gpt", "llama"], default="llama")
     p.add_argument("--size", default="tiny", help="model preset: tiny | small | bench")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per row after the first call")
-    p.add_argument("--rounds", type=int, default=1,
+    from sppo_fx.units import positive_int
+    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--steps", type=positive_int, default=2, help="timed steps per row after the first call")
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="run the grid this many times, interleaved; ratios are medians of per-round ratios")
     p.add_argument("--anchors", default="eager",
                    help="comma list of eager, compile, compile-amb:F, checkpoint (or none)")
@@ -54,8 +55,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="picture of step time vs peak memory: x.png (PNG + x.svg beside it) or x.svg")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
                    help="print the ratio table between two bench.json records and exit")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds each row may take")
-    p.add_argument("--offload-dir", default=None, help="directory of the disk tier (default: system temp)")
+    p.add_argument("--timeout", type=_seconds, default=1800, help="seconds each row may take")
+    p.add_argument("--offload-dir", type=_directory, default=None,
+                   help="directory of the disk tier (default: system temp)")
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    import math
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds > 0")
+    return value
+
+
+def _directory(text: str) -> str:
+    """argparse type: an existing directory."""
+    import os
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory: create it or give another")
+    return text
 
 
 def configs_from_args(args: argparse.Namespace) -> list[BenchConfig]:
