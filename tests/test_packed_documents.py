@@ -231,6 +231,43 @@ def test_position_comparison_under_other_document_ids_is_refused():
         compiled(ids, _doc_ids([[10, 14]]), _positions([[10, 14]]), ids)
 
 
+class PositionsModel(DocModel):
+    """Hugging Face's packed mask from `pos` in the dtype it is given: same run of +1 steps
+    (cumsum of diff != 1) and pos[k] <= pos[q]."""
+
+    def forward(self, ids, pos, targets):
+        x = self.emb(ids)
+        b, t, c = x.shape
+        q = x.view(b, t, 4, 8).transpose(1, 2)
+        seg = torch.cumsum(torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1, -1)
+        allowed = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None, :] <= pos[:, :, None])
+        y = F.scaled_dot_product_attention(q, q, q, attn_mask=allowed.unsqueeze(1))
+        return F.cross_entropy(self.head(y.transpose(1, 2).reshape(b, t, c)).flatten(0, 1), targets.flatten())
+
+
+def test_narrow_position_ids_that_wrap_inside_a_document_are_refused():
+    """int8 positions 100..147 wrap to -128 after 127: the step test (in int8) keeps one
+    document, but pos[k] <= pos[q] no longer orders it. Refused before the step."""
+    model = PositionsModel(layers=0)
+    ids, pos = torch.randint(0, 101, (1, 48)), torch.arange(100, 148).view(1, 48)
+    compiled = sppo_fx.compile(model, chunks=4, compile=False)
+    assert_matches_eager(model, lambda m: m(ids, pos, ids), lambda: compiled(ids, pos, ids))  # int64: exact
+    narrow = pos.to(torch.int8)
+    with pytest.raises(SppoError, match="torch.int8 and wraps"):
+        sppo_fx.compile(model, chunks=4, compile=False)(ids, narrow, ids)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_narrow_document_ids_are_compared_exactly():
+    """Equal ids stay equal in any integer dtype: int16 document ids train exactly."""
+    torch.manual_seed(4)
+    model = DocModel(layers=1)
+    ids, doc = torch.randint(0, 101, (2, 48)), _doc_ids(LENGTHS).to(torch.int16)
+    compiled = sppo_fx.compile(model, chunks=4, compile=False)
+    assert_matches_eager(model, lambda m: m(ids, doc, ids), lambda: compiled(ids, doc, ids))
+    assert [bool(s.documents) for s in compiled.program.attention] == [True]
+
+
 # ---------------------------------------------------------------- the chunk attention op and the skip
 
 def test_document_positions_conventions():
