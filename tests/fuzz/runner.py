@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from sppo_fx.errors import SppoError
-from tests.fuzz.grammar import Program, generate
+from .grammar import Program, generate
 
 RTOL, ATOL = 1e-4, 1e-5  # tests/conftest.py
 ORDER = ("wrong", "internal", "refused", "exact", "invalid")
@@ -191,7 +191,7 @@ def run_sp(seeds: list[int], world: int = 2, timeout: float = 600.0) -> list[Res
         cmd = [sys.executable, "-m", "tests.fuzz.runner", "--sp-worker", out, "--seeds", ",".join(map(str, seeds))]
         ranks = run_local_ranks(cmd, world, timeout, cwd=root)
         dumps = []
-        for rank, (rc, _o, err) in enumerate(ranks):
+        for rank, (rc, _o, err, *_) in enumerate(ranks):
             path = os.path.join(out, f"rank{rank}.pt")
             if rc != 0 or not os.path.exists(path):
                 return [Result(s, "internal", f"rank {rank} exited {rc}: {err[-2000:]}") for s in seeds]
@@ -324,12 +324,12 @@ def main(argv=None) -> int:
                 with mp.get_context("fork").Pool(a.jobs, initializer=_init_worker) as pool:
                     for r in pool.imap_unordered(_run_seed, work, chunksize=4):
                         results.append(r)
-                        if len(results) % 500 == 0:
+                        if len(results) % 50 == 0:
                             progress()
             else:
                 for w in work:
                     results.append(_run_seed(w))
-                    if len(results) % 500 == 0:
+                    if len(results) % 50 == 0:
                         progress()
     progress(final=True)
     bad = [r for r in results if r.verdict in ("wrong", "internal")]
