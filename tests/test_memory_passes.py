@@ -364,3 +364,27 @@ def test_executor_adds_a_matmul_gradient_with_addmm():
     assert torch.allclose(leaf.grad, 3 * (a @ b))
     runner._accumulate_grad(0, a @ b)  # a plain gradient still adds
     assert torch.allclose(leaf.grad, 4 * (a @ b))
+
+
+@pytest.mark.parametrize("policy", ["cheap", "full"])
+def test_recompute_never_repeats_an_all_to_all(policy):
+    """A sequence-parallel all-to-all is saved, not recomputed: a repeated one doubles the
+    traffic and would sit outside the token chain that orders the ranks' collectives."""
+    import operator
+
+    import torch.fx as fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    import sppo_fx.ops.seq_parallel  # noqa: F401 - registers torch.ops.sppo.*
+    from sppo_fx.passes.offload import tag_recompute
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.placeholder("tangents_1")
+    moved = g.call_function(torch.ops.sppo.seq_to_heads.default, (x, None, 8, 2, "sp"))
+    out, token = (g.call_function(operator.getitem, (moved, i)) for i in range(2))
+    act = g.call_function(torch.ops.aten.relu.default, (out,))
+    g.output((act, token))
+    tag_recompute(fx.GraphModule(torch.nn.Module(), g), policy)
+    assert all(n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE for n in (out, token))
+    assert "recompute" not in moved.meta
+    assert act.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE

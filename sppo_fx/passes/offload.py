@@ -82,9 +82,20 @@ class OffloadSlot:
         return f"slot {self.slot}: {self.name} {self.shape} {str(self.dtype).replace('torch.', '')}"
 
 
+#: collectives are never recomputed: a repeated all-to-all doubles the traffic, and its
+#: place in the order of the ranks' collectives would be fixed by data alone, not by the
+#: token chain that pairs them up across ranks (ops/seq_parallel.py)
+_COLLECTIVES = ("seq_to_heads", "heads_to_seq")
+
+
 def _is_expensive(node: fx.Node) -> bool:
     name = getattr(node.target, "__name__", str(node.target))
     return any(key in name for key in _EXPENSIVE)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", str(node.target))
+    return any(key in name for key in _COLLECTIVES)
 
 
 def _forward_nodes(joint: fx.GraphModule) -> set[fx.Node]:
@@ -117,7 +128,10 @@ def tag_recompute(joint: fx.GraphModule, policy: str) -> fx.GraphModule:
         # a multi-output op's outputs are its getitems: they share its fate; the tuple
         # itself cannot be saved, so an expensive one stays untagged
         owner = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else n
-        if policy == "full" or not _is_expensive(owner):
+        if _is_collective(owner):
+            if owner is not n:  # the collective's outputs are saved; the tuple cannot be
+                n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        elif policy == "full" or not _is_expensive(owner):
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         elif not isinstance(n.meta.get("val"), (tuple, list)):
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
