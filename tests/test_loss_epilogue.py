@@ -134,6 +134,23 @@ def test_soft_target_divisor_counts_samples_not_elements(hand):
     assert count.item() == B * 4
 
 
+def test_input_value_is_carried_by_the_first_chunk_only(hand):
+    """loss * scale (a scalar input): the chunk at position 0 outputs scale, the others 0,
+    so the runtime's sum over chunks is scale itself, not chunks x scale."""
+    logits = hand.call(aten.transpose.int, _logits(hand), 1, 2)
+    labels = hand.input("labels", (B, hand.T), torch.int64)
+    scale = hand.input("scale", ())
+    loss = hand.call(aten.mul.Tensor, hand.call(aten.cross_entropy_loss.default, logits, labels), scale)
+    gm = hand.output(loss)
+    analyse(gm, hand.seq, hand.params)
+    prog = chunk_program(gm, hand.seq, hand.params, hand.inputs)
+    assert [r.op for r in prog.reductions] == ["cross_entropy(mean)", "carried"]
+    assert prog.reductions[1].inputs == ("scale",)
+    x, w, y = torch.randn(B, 4, D), torch.randn(V, D), torch.randint(0, V, (B, 4))
+    firsts = [prog.chunk(w, x, y, torch.tensor(2.5), start, 4)[2].item() for start in (0, 4)]
+    assert firsts == [2.5, 0.0]
+
+
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 def test_classes_along_the_sequence_are_refused(hand, reduction):
     """cross_entropy(logits[B, T, V], probs[B, T, V]): the class dim (1) is T, so eager
@@ -252,14 +269,17 @@ class Weighted(nn.Module):
             return loss * extra.mean()
         if self.mode == "scale":
             return loss * extra
+        if self.mode == "item_count":  # Hugging Face's num_items_in_batch: a sum over a count input
+            logits = self.lm.head(self.lm.emb(ids))
+            return F.cross_entropy(_t(logits), labels, reduction="sum") / extra
         return loss * (extra * self.temp).exp().sum()  # input and parameter together
 
 
-@pytest.mark.parametrize("mode", ["sample_weights", "scale", "with_parameter"])
+@pytest.mark.parametrize("mode", ["sample_weights", "scale", "with_parameter", "item_count"])
 @pytest.mark.parametrize("lengths", [None, UNEQUAL], ids=["chunks4", "unequal"])
 def test_loss_reading_another_input_matches_eager(mode, lengths):
     ids, labels, _ = _data()
-    extra = torch.rand(B) + 0.5 if mode != "scale" else torch.tensor(1.7)
+    extra = {"scale": torch.tensor(1.7), "item_count": (labels != -100).sum()}.get(mode, torch.rand(B) + 0.5)
     model = Weighted(mode)
     kw = {"chunk_lengths": lengths} if lengths else {"chunks": 4}
     compiled = sppo_fx.compile(model, compile=False, **kw)

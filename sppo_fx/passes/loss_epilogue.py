@@ -179,3 +179,29 @@ def input_ancestors(node: fx.Node, input_names) -> list[str]:
             found.add(n.name)
         stack.extend(n.all_input_nodes)
     return [name for name in input_names if name in found]
+
+
+def build_epilogue(eb, nodes, by_name, param_names, red_sites, epilogue_set, loss):
+    """The epilogue graph: (seq_len, *params it reads, *partial totals) -> loss.
+
+    `eb` is an empty `seq_chunk._Builder`; each site's totals stand for its node (a mean:
+    total sum / total divisor), and the epilogue's nodes are copied after them."""
+    eb.length = eb.placeholder("seq_len")
+    for name in param_names:
+        eb.env[by_name[name]] = eb.placeholder(name, by_name[name])
+    for site in red_sites:
+        n = by_name[site.name]
+        total = eb.placeholder(f"{n.name}_{'carried' if site.op == 'carried' else 'sum'}")
+        if site.has_count:
+            count = eb.placeholder(f"{n.name}_count")
+            total = eb.graph.call_function(aten.div.Tensor, (total, count))
+        eb.bind(n, total)
+    for n in nodes:
+        if n in epilogue_set:
+            eb.get(n, lazy=True)
+    epilogue = eb.finish([eb.get(loss, lazy=True)])
+    for p in list(epilogue.graph.nodes):
+        if p.op == "placeholder" and p.name in param_names and not p.users:
+            epilogue.graph.erase_node(p)
+    epilogue.recompile()
+    return epilogue, [p.name for p in epilogue.graph.nodes if p.op == "placeholder" and p.name in param_names]

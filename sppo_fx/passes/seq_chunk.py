@@ -38,7 +38,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from sppo_fx.attention import document_causal_attention, prefix_causal_attention
 from sppo_fx.errors import SppoError, describe_node, source_line
-from sppo_fx.passes.loss_epilogue import carried_partial, input_ancestors, reduction_partials
+from sppo_fx.passes.loss_epilogue import build_epilogue, carried_partial, input_ancestors, reduction_partials
 from sppo_fx.passes.seqdim import INPUT, _is_size_node, arg_expr
 
 aten = torch.ops.aten
@@ -229,6 +229,10 @@ class _Builder:
             raise AssertionError(f"sppo_fx internal error: {node.name} used before it was copied")
         self.env[node] = _copy_meta(self.graph.node_copy(node, lambda n: self.get(n, lazy=True)), node)
         return self.env[node]
+
+    def bind(self, node: fx.Node, new: fx.Node):
+        """`new` stands for `node` in this graph (with its metadata)."""
+        self.env[node] = _copy_meta(new, node)
 
     def copy(self, node: fx.Node):
         self.env[node] = _copy_meta(self.graph.node_copy(node, self.get), node)
@@ -475,8 +479,8 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
 
     epilogue, epilogue_params = None, []
     if loss_outputs:
-        epilogue, epilogue_params = _epilogue(nodes, by_name, seq, param_names, red_sites, epilogue_set,
-                                              loss_outputs[0])
+        epilogue, epilogue_params = build_epilogue(_Builder(seq), nodes, by_name, param_names, red_sites,
+                                                   epilogue_set, loss_outputs[0])
     # Parameters neither program reads (e.g. another pipeline stage's) are not inputs.
     needed = set(epilogue_params)
     for ph in list(chunk.graph.nodes):
@@ -492,27 +496,3 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
                           reductions=red_sites, recvs=[Activation.of(a, seq) for a in recv_nodes],
                           sends=[Activation.of(o, seq) for o in send_nodes])
 
-
-def _epilogue(nodes, by_name, seq, param_names, red_sites, epilogue_set, loss):
-    """The epilogue graph: (seq_len, *params it reads, *partial totals) -> loss."""
-    eb = _Builder(seq)
-    eb.length = eb.placeholder("seq_len")
-    for name in param_names:
-        eb.env[by_name[name]] = eb.placeholder(name, by_name[name])
-    for site in red_sites:
-        n = by_name[site.name]
-        total = eb.placeholder(f"{n.name}_{'carried' if site.op == 'carried' else 'sum'}")
-        if site.has_count:
-            count = eb.placeholder(f"{n.name}_count")
-            eb.env[n] = _copy_meta(eb.graph.call_function(aten.div.Tensor, (total, count)), n)
-        else:
-            eb.env[n] = _copy_meta(total, n)
-    for n in nodes:
-        if n in epilogue_set:
-            eb.get(n, lazy=True)
-    epilogue = eb.finish([eb.get(loss, lazy=True)])
-    for p in list(epilogue.graph.nodes):
-        if p.op == "placeholder" and p.name in param_names and not p.users:
-            epilogue.graph.erase_node(p)
-    epilogue.recompile()
-    return epilogue, [p.name for p in epilogue.graph.nodes if p.op == "placeholder" and p.name in param_names]
