@@ -74,7 +74,8 @@ class ReductionSite:
 
     Attributes:
         name: node name in the captured graph.
-        op: e.g. "cross_entropy(mean)", "mean", "sum".
+        op: e.g. "cross_entropy(mean)", "kl_div(sum)", "mean", "sum"; "carried" for an input
+            value the epilogue reads (`loss_epilogue.carried_partial`).
         source: the user's source line.
         has_count: whether a denominator partial (count / numel) is accumulated too.
         inputs: for a value carried to the epilogue (op "carried", `loss_epilogue`), the
