@@ -46,7 +46,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(root))
     monkeypatch.delenv("SPPO_FX_MEMORY_MODEL_CACHE", raising=False)
     monkeypatch.delenv("SPPO_FX_PROFILE_CACHE", raising=False)
-    monkeypatch.setattr(disk_cache, "_warned", set())
+    monkeypatch.setattr(disk_cache, "_warned", set(), raising=False)
     saved_cache.forget()
     yield root
     saved_cache.forget()
