@@ -241,8 +241,9 @@ class _Gen:
             self.line(f"{att} = {att} * {self.shaped(allow, tt, bb)}")
 
     # ---- attention -------------------------------------------------------------------
-    def attention(self, a: str, layer: int, cfg: dict) -> str:
-        """Attention over `a` [bb, tt, D]; returns a variable holding [bb, tt, D]."""
+    def attention(self, a: str, layer: int, cfg: dict, causal: bool = False) -> str:
+        """Attention over `a` [bb, tt, D]; returns a variable holding [bb, tt, D] (with
+        `causal`, SDPA's is_causal: a fold must not be refused for its mask first)."""
         d, heads, kv = cfg["dim"], cfg["heads"], cfg["kv"]
         hd, g = d // heads, heads // kv
         bb, tt = self.var("b"), self.var("t")
@@ -264,7 +265,7 @@ class _Gen:
             self.line(f"ang = {pos}[:, None].float() * self.inv{layer}[None, :]")
             self.line("cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)")
             self.line("q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin")
-        kind = self.c("sdpa_causal", "sdpa_mask", "sdpa_mask", "written", "written")
+        kind = "sdpa_causal" if causal else self.c("sdpa_causal", "sdpa_mask", "sdpa_mask", "written", "written")
         self.tags.add(f"attn:{kind}")
         gqa = "none"
         if g > 1:
@@ -350,7 +351,7 @@ class _Gen:
             src = {"batch": "h.reshape(1, B * T, D)", "stack": "torch.stack([h, h * 0.5], 1).reshape(B, 2 * T, D)",
                    "cat": "torch.cat([h, h * 0.5], dim=1)"}[form]
             self.line(f"g = {self.norm(layer, d, src)}")
-            y = self.attention("g", layer, cfg)
+            y = self.attention("g", layer, cfg, causal=self.p(0.7))
             back = {"batch": f"{y}.reshape(B, T, D)", "stack": f"{y}.reshape(B, 2, T, D).sum(1)",
                     "cat": f"{y}[:, :T] + {y}[:, T:]"}[form]
             self.line(f"h = h + {back}")
