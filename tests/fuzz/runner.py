@@ -169,7 +169,9 @@ def run_program(prog: Program, offload_dir: str | None = None) -> Result:
     return res
 
 
-def replay_command(seed: int) -> str:
+def replay_command(seed: int, sp: int = 1) -> str:
+    if sp > 1:
+        return f".venv/bin/python -m tests.fuzz.runner --program {seed} --sp {sp}"
     return (f"SPPO_PROGRAM_FUZZ_SEED={seed} .venv/bin/python -m pytest -q -n0 tests/test_program_fuzz.py"
             f"  (or: .venv/bin/python -m tests.fuzz.runner --program {seed})")
 
@@ -178,7 +180,8 @@ def describe(res: Result, prog: Program | None = None) -> str:
     prog = prog or generate(res.seed)
     cases = "\n".join(f"  {k}: {v} {reason_class(r) if r else ''}" for k, v, r in res.cases)
     return (f"program seed {res.seed}: {res.verdict} ({res.detail}): {res.reason}\n{cases}\n"
-            f"replay: {replay_command(res.seed)}\n--- source ---\n{prog.source}")
+            f"replay: {replay_command(res.seed, 2 if 'seq_parallel' in res.detail else 1)}\n"
+            f"--- source ---\n{prog.source}")
 
 
 # ---- sequence parallelism: a batch of programs in one 2-rank gloo launch -----------------
@@ -297,6 +300,10 @@ def main(argv=None) -> int:
     _init_worker()
     if a.sp_worker:
         return sp_worker(a.sp_worker, [int(s) for s in a.seeds.split(",") if s])
+    if a.program is not None and a.sp:
+        res = run_sp([a.program], a.sp)[0]
+        print(describe(res))
+        return 0 if res.verdict in ("exact", "refused", "invalid") else 1
     if a.program is not None:
         prog = generate(a.program)
         res = run_program(prog, tempfile.gettempdir())
