@@ -105,3 +105,48 @@ def test_seq_parallel_programs_are_exact_or_refused():
     print(f"\nseq_parallel=2, master seed {MASTER}:\n{summarize(results)}")
     bad = [r for r in results if r.verdict in ("wrong", "internal")]
     assert not bad, "\n\n".join(describe(r) for r in bad[:3])
+
+
+# ---- the runner's verdicts, on one fixed program ------------------------------------------
+TINY = '''import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Prog(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(11, 8)
+        self.qkv = nn.Linear(8, 24)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, x, y):
+        B, T = x.shape
+        q, k, v = self.qkv(self.tok(x)).view(B, T, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, 8)
+        return F.cross_entropy(self.head(o).flatten(0, 1), y.flatten())
+'''
+
+
+def _tiny():
+    from tests.fuzz.grammar import Program
+    return Program(seed=3, source=TINY, tags=frozenset(), batch=2, seq=10, vocab=11, heads=2, extras=(), ignore=0.3)
+
+
+@pytest.mark.parametrize("broken,verdict", [(None, "exact"), ("scaled", "wrong"), ("crash", "internal"),
+                                            ("refuse", "refused")])
+def test_runner_verdicts_on_a_broken_library(broken, verdict, monkeypatch):
+    import sppo_fx.api as api
+    from sppo_fx.errors import SppoError
+    real = api.chunked_loss
+
+    def patched(*args, **kwargs):
+        if broken == "crash":
+            raise RuntimeError("boom")
+        if broken == "refuse":
+            raise SppoError("no")
+        return real(*args, **kwargs) * (1.001 if broken == "scaled" else 1.0)
+    monkeypatch.setattr(api, "chunked_loss", patched)
+    res = run_program(_tiny())
+    assert res.verdict == verdict, describe(res)
+    assert len(res.cases) == 4  # every chunking ran: the capture succeeded
