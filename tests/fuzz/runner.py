@@ -56,7 +56,8 @@ class Result:
 def reason_class(reason: str) -> str:
     """A refusal's or failure's class: its first line with numbers and quoted names stripped."""
     first = (reason.strip().splitlines() or [""])[0]
-    first = re.sub(r'at File "[^"]*", line \d+, in \w+:+ ?', "", first)  # where, not what
+    first = re.sub(r'(at )?File "[^"]*", line \d+, in \w+:+ ?', "", first)  # where, not what
+    first = first.replace("<no source line recorded>", "")
     first = re.sub(r"'[^']*'", "'_'", first)
     return re.sub(r"\d+(\.\d+)?", "N", first)[:160]
 
