@@ -81,6 +81,8 @@ class Captured:
         input_names: placeholder names of the flat user input tensors, in order.
         input_seq_dims: for each flat input, its sequence dim or None.
         input_labels: for each flat input, where the user passed it ("arg0", "labels", "target").
+        batch: with `batch_dynamic=True`, the sympy symbols of the batched inputs' dim 0 (one per
+            input unless the model's code equates them), else None.
     """
 
     module: LossModule
@@ -91,6 +93,7 @@ class Captured:
     input_names: list[str]
     input_seq_dims: list[int | None]
     input_labels: list[str] = dataclasses.field(default_factory=list)
+    batch: frozenset | None = None
 
     def param_value(self, name: str) -> torch.Tensor | None:
         """The live tensor bound to a parameter/buffer/constant placeholder (None for inputs)."""
@@ -213,7 +216,7 @@ def _distinct(tensors) -> list[torch.Tensor]:
 
 
 def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | None, args: tuple,
-            kwargs: dict, target, seq_dim: int) -> Captured:
+            kwargs: dict, target, seq_dim: int, batch_dynamic: bool = False) -> Captured:
     """Export `model` (+ `fn` / `loss_fn`) on example inputs with a dynamic sequence length.
 
     Args:
@@ -223,6 +226,10 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
         args, kwargs, target: example call; tensors with the sequence length at `seq_dim`
             get a dynamic sequence dim.
         seq_dim: the sequence dim of the inputs (1 for [batch, seq]).
+        batch_dynamic: mark dim 0 dynamic too on every input whose dim 0 is the batch size
+            (the first input's; the tensors `runtime.pipeline.data_shares` splits), for the
+            data-parallel analysis (`passes.batch_epilogue`); the batch must be >= 2 and
+            differ from the sequence length.
 
     Returns:
         A `Captured`. Raises `SppoError` if no input has a sequence dim or export fails.
@@ -236,7 +243,15 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
     length = candidates[0].shape[seq_dim]
     seq_dims = [seq_dim if t.dim() > seq_dim and t.shape[seq_dim] == length else None for t in tensors]
     dim = torch.export.Dim.DYNAMIC
-    dynamic = tuple({seq_dim: dim} if d is not None else None for d in seq_dims)
+    dynamic = [{seq_dim: dim} if d is not None else None for d in seq_dims]
+    batch = next(t.shape[0] for t in tensors if t.dim() > 0) if batch_dynamic else None
+    if batch is not None:
+        if seq_dim == 0 or batch < 2 or batch == length:  # export would specialise or unify the two
+            raise SppoError(f"internal: a batch-dynamic capture needs a batch of >= 2 sequences other than "
+                            f"the sequence length and seq_dim > 0 (batch {batch}, length {length})")
+        dynamic = [{**(d or {}), **({0: dim} if t.dim() > 0 and t.shape[0] == batch else {})}
+                   for d, t in zip(dynamic, tensors)]
+    dynamic = tuple(d or None for d in dynamic)
     module = LossModule(model, fn, loss_fn, spec, leaves, slots)
     log.info("torch.export: %s with %d input tensor(s), sequence dim %d of length %d marked dynamic",
              type(model).__name__, len(tensors), seq_dim, length)
@@ -267,6 +282,18 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
             "the exact length (e.g. a Python branch on x.shape[1] or a mask buffer sliced to the "
             "full block size). Remove that dependency so the length can stay symbolic")
     seq = size.node.expr
+    batch_syms = None
+    if batch is not None:
+        # one symbol per input (export gives each dynamic dim its own unless code equates them)
+        sizes = [placeholders[name].meta["val"].shape[0] for name, t in zip(user_inputs, tensors)
+                 if t.dim() > 0 and t.shape[0] == batch]
+        if not all(isinstance(b, torch.SymInt) and isinstance(b.node.expr, sympy.Symbol) for b in sizes):
+            raise SppoError(
+                "torch.export specialised the batch size: the model's code depends on the exact batch size "
+                "(e.g. a reshape to a fixed batch), so data_parallel cannot give each rank a share of the "
+                "batch. Use the batch size only as a shape (x.shape[0], view(b, ...)) or train with "
+                "data_parallel=1")
+        batch_syms = frozenset(b.node.expr for b in sizes)
     vr = program.range_constraints.get(seq)
     lo = int(vr.lower) if vr is not None else 2
     hi = float(vr.upper) if vr is not None and vr.upper.is_finite else float("inf")
@@ -274,7 +301,7 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
              len(program.graph.nodes), len(param_fqns), seq, lo, hi)
     return Captured(module=module, program=program, seq=seq, seq_range=(lo, hi),
                     param_fqns=param_fqns, input_names=user_inputs, input_seq_dims=seq_dims,
-                    input_labels=input_labels(args, kwargs, target))
+                    input_labels=input_labels(args, kwargs, target), batch=batch_syms)
 
 
 #: ops whose results depend on the random number generator's state (dropout in training

@@ -28,17 +28,23 @@ import logging
 import os
 import time
 
+import sympy
+import torch
 import torch.fx as fx
 
+from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.capture import Captured, strip_asserts
-from sppo_fx.errors import SppoError
+from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.log import enable, get_logger
 from sppo_fx.passes.causal_mask import recognize_causal_masks
 from sppo_fx.passes.explicit_attention import recognize_explicit_attention
-from sppo_fx.passes.seq_chunk import ChunkedProgram, chunk_program
-from sppo_fx.passes.seqdim import analyse, format_analysis
+from sppo_fx.passes.loss_epilogue import LOSSES, build_epilogue, loss_reduction
+from sppo_fx.passes.seq_chunk import ChunkedProgram, ReductionSite, _Builder, build_size, chunk_program
+from sppo_fx.passes.seqdim import (_RESHAPES, SDPA, _has_seq, _is_size_node, _length_as_value, _mixing_reason,
+                                   _tensor_inputs, analyse, expr_of, format_analysis, seq_dims_of)
 
 _log = get_logger(__name__)
+aten = torch.ops.aten
 
 
 def _show_passes(flag: bool | None) -> None:
@@ -98,7 +104,7 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
     return gm, program
 
 
-__all__ = ["transform", "transform_stages", "strip_asserts", "recognize_causal_masks", "recognize_explicit_attention",
+__all__ = ["transform", "transform_stages", "batch_epilogue", "strip_asserts", "recognize_causal_masks", "recognize_explicit_attention",
            "analyse_seqdims", "chunk_program",
            "ChunkedProgram"]
 
@@ -146,3 +152,128 @@ def _refuse_carried(program: ChunkedProgram, captured: Captured) -> None:
                 "stages, data_parallel or seq_parallel. Fold the input into a per-token loss "
                 "(e.g. weight each token's loss with reduction='none' before its sum) or train "
                 "on one process")
+
+
+
+def batch_epilogue(captured: Captured, program: ChunkedProgram, graph: fx.GraphModule, batch: int):
+    """Data parallelism: prove that the batch size enters `program` only as shapes and through
+    its summed partials, and give the epilogue that reads it as a value the global batch.
+
+    Each data-parallel rank captures and runs its share of the batch, so every size of the
+    batch dim in the captured program is the local share's (a literal); the runtime sums the
+    ranks' partials before the epilogue. That is exact when (a) each sample's values up to the
+    loss's reductions are its own (no op mixes samples: `mean(0)`, batch-wise softmax, ...),
+    (b) the reductions sum over samples (partials add up over the ranks' shares), and (c)
+    what reads the batch size as a value after them (`loss / x.shape[0]`, kl_div's
+    'batchmean') reads the whole micro-batch's. `captured` is an export of the same call with
+    the batch dim dynamic (`capture(batch_dynamic=True)`): its batch symbols show every use.
+
+    Args:
+        captured: the batch-dynamic capture (`captured.batch`: the batch symbols).
+        program: the last stage's ChunkedProgram of the ordinary (local-share) capture.
+        graph: that capture's analysed graph (`transform_stages`' first result).
+        batch: the micro-batch's global batch size.
+
+    Returns:
+        The epilogue to use instead of `program.epilogue` (the batch bound to `batch`), or
+        None when the epilogue does not read the batch size. Raises SppoError for (a), for a
+        batch size read before the reductions, or when the two captures' losses differ.
+    """
+    gm = strip_asserts(captured.copy_graph())
+    nodes = list(gm.graph.nodes)
+    seqs = _input_symbols(nodes, captured)
+    Bs = sorted(captured.batch, key=str)
+    after: set[fx.Node] = set()  # computed from the loss's reductions over the sequence
+    frontier, reads_batch = [], False
+    for node in nodes:
+        if node.op != "call_function" or _is_size_node(node):
+            continue
+        value_use = next((w for B in Bs if (w := _length_as_value(node, B)) is not None), None)
+        if any(a in after for a in node.all_input_nodes):
+            after.add(node)
+            reads_batch |= value_use is not None
+            continue
+        ins = [a.meta.get("val") for a in _tensor_inputs(node)]
+        full = node.target in (aten.sum.default, aten.mean.default) or \
+            (node.target in LOSSES and loss_reduction(node) != 0)
+        if full and any(seq_dims_of(v, s) for v in ins for s in seqs):
+            frontier.append(node)
+            after.add(node)
+            continue
+        if value_use is not None:
+            _refuse_batch(node, f"uses the batch size as a value ({value_use}) before the loss's reduction over "
+                          "the sequence; each rank would compute it with its share's batch size. Use it only "
+                          "after the reduction (e.g. loss.sum() / x.shape[0]) or as a shape")
+        if (why := next((w for B in Bs if (w := batch_mixing_reason(node, B)) is not None), None)):
+            _refuse_batch(node, f"{why}, which mixes the samples of the batch before the loss's reduction; "
+                          "each data-parallel rank holds only its share of the samples. Reduce over the "
+                          "samples only in the loss (e.g. a mean or sum over all tokens)")
+    sites = [r for r in program.reductions if r.op != "carried"]
+    static = {n.name: n for n in graph.graph.nodes}
+    if len(sites) != len(frontier) or len(sites) != len(program.reductions) or any(
+            static[r.name].target is not n.target for r, n in zip(sites, frontier)):
+        raise SppoError("data_parallel: the loss's reductions of the batch-dynamic capture do not match the "
+                        "program's, so sppo_fx cannot prove how the loss uses the batch size; train with "
+                        "data_parallel=1")
+    if not reads_batch:
+        return None  # the epilogue is the same function at every batch size
+
+    class Bound(_Builder):
+        def expr(self, expr):
+            return build_size(self.graph, expr, {**{s: self.length for s in seqs}, **{B: batch for B in Bs}})
+
+    by_name = {n.name: n for n in nodes}
+    red = [ReductionSite(n.name, r.op, r.source, r.has_count) for r, n in zip(sites, frontier)]
+    loss = next(n for n in nodes if n.op == "output").args[0]
+    loss = loss[0] if isinstance(loss, (list, tuple)) else loss
+    params = [n.name for n in nodes if n.op == "placeholder" and n.name in captured.param_fqns]
+    epilogue, eparams = build_epilogue(Bound(captured.seq), nodes, by_name, params, red, after - set(frontier), loss)
+    if eparams != program.epilogue_params:
+        raise SppoError("data_parallel: the batch-dynamic capture's loss reads other parameters than the "
+                        "program's; train with data_parallel=1")
+    return epilogue
+
+
+def _input_symbols(nodes, captured: Captured) -> list:
+    """The sequence-length symbols of the user inputs' sequence dims (one per input unless
+    the model's code equates them)."""
+    by_name = {n.name: n for n in nodes}
+    out = {captured.seq}
+    for name, dim in zip(captured.input_names, captured.input_seq_dims):
+        if dim is not None and isinstance(size := by_name[name].meta["val"].shape[dim], torch.SymInt):
+            out |= size.node.expr.free_symbols
+    return sorted(out, key=str)
+
+
+def _refuse_batch(node: fx.Node, why: str):
+    raise SppoError(f"data_parallel: {describe_node(node)} {why}")
+
+
+def batch_mixing_reason(node: fx.Node, B) -> str | None:
+    """Why `node` mixes samples along the batch dim (symbol `B`), or None if each sample's
+    values depend on that sample only: the sequence analysis' rule for positions with B for
+    the sequence, except reshapes (a sample's values may fold with its positions, [B, T, V] ->
+    [B*T, V], as one block) and attention (over dims -2 and -1; the batch dim is before them)."""
+    if node.target in (SDPA, windowed_causal_attention, document_causal_attention):
+        for a in node.args[:3]:
+            if any(_has_seq(s, B) for s in a.meta["val"].shape[-2:]):
+                return "attends along the batch dimension"
+        return None
+    if node.target in _RESHAPES:
+        x, out = node.args[0].meta["val"], node.meta["val"]
+        blocks = []
+        for v in (x, out):
+            dims = seq_dims_of(v, B)
+            if not dims and v is x:
+                return None
+            if len(dims) != 1:
+                return "reshapes the batch dimension into another number of dims"
+            per = sympy.simplify(expr_of(v.shape[dims[0]]) / B)
+            if B in per.free_symbols:
+                return f"splits the batch dimension into blocks ({list(x.shape)} -> {list(out.shape)})"
+            blocks.append(sympy.simplify(per * sympy.Mul(*(expr_of(s) for s in v.shape[dims[0] + 1:]))))
+        if sympy.simplify(blocks[0] - blocks[1]) != 0:
+            return f"reshapes so that samples interleave ({list(x.shape)} -> {list(out.shape)})"
+        return None
+    why = _mixing_reason(node, B, {})
+    return why.replace("sequence", "batch") if why else None

@@ -9,13 +9,14 @@ parallelism, its share of every chunk's tokens (`passes.sequence_parallel`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.utils._pytree as pytree
 
 from sppo_fx.capture import Captured, capture, flatten_call
 from sppo_fx.errors import SppoError
-from sppo_fx.passes import transform_stages
+from sppo_fx.passes import batch_epilogue, transform_stages
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.passes.stage_split import StageGraph
 from sppo_fx.plan import Plan
@@ -107,6 +108,8 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, mesh:
     args, kwargs, target = microbatches[0]
     cap = capture(model, fn, options.loss_fn, args, kwargs, target, options.seq_dim)
     graph, stages, programs = transform_stages(cap, num_stages, options.split_points, log=options.log_passes)
+    if layout.dp > 1:
+        bind_global_batch(model, fn, options, microbatches[0], programs[-1], graph, layout.dp)
     program = programs[stage]
     if layout.sp > 1:
         group = register_group(f"sp.pp{mesh.pp_rank}.dp{mesh.dp_rank}", mesh.sp_group,
@@ -155,6 +158,29 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, mesh:
     executor = PipelineExecutor(program, params, plan, schedule, mesh, chunk_fn, options.timeout_s, shared,
                                 store, quota)
     return PipelineState(cap, stages, programs, executor, plan, prediction, graph, program)
+
+
+def bind_global_batch(model, fn, options, microbatch: tuple, program: ChunkedProgram, graph, dp: int) -> None:
+    """data_parallel > 1: check the loss's use of the batch size (`passes.batch_epilogue`) on
+    a second export of the call with the batch dim dynamic, and give `program` (the last
+    stage's) the epilogue that reads the global batch where the loss reads it as a value.
+
+    The export sees a stand-in batch (the share's rows repeated) of a size that is >= 2 (0
+    and 1 would be specialised) and equals neither the sequence length nor another input's
+    dim 0 (so the same inputs as `data_shares` splits carry the batch symbol). Costs one
+    more torch.export of the model (about as long as the first), only when dp > 1."""
+    local = _batch_size(microbatch)
+    leaves, spec = pytree.tree_flatten(microbatch)
+    batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == local for x in leaves]
+    taken = {x.shape[0] for x, b in zip(leaves, batched) if isinstance(x, torch.Tensor) and x.dim() > 0 and not b}
+    taken.add(_seq_len(microbatch, options.seq_dim))
+    size = next(k for k in itertools.count(2) if k not in taken)
+    stand_in = [x[torch.arange(size, device=x.device) % local] if b else x for x, b in zip(leaves, batched)]
+    args, kwargs, target = pytree.tree_unflatten(stand_in, spec)
+    cap = capture(model, fn, options.loss_fn, args, kwargs, target, options.seq_dim, batch_dynamic=True)
+    epilogue = batch_epilogue(cap, program, graph, local * dp)
+    if epilogue is not None:
+        program.epilogue = epilogue
 
 
 def _seq_len(microbatch: tuple, seq_dim: int) -> int:
