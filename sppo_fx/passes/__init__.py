@@ -183,6 +183,7 @@ def batch_epilogue(captured: Captured, program: ChunkedProgram, graph: fx.GraphM
     nodes = list(gm.graph.nodes)
     seqs = _input_symbols(nodes, captured)
     Bs = sorted(captured.batch, key=str)
+    same = {**{s: seqs[0] for s in seqs}, **{B: Bs[0] for B in Bs}}  # the inputs' sizes are equal at run time
     after: set[fx.Node] = set()  # computed from the loss's reductions over the sequence
     frontier, reads_batch = [], False
     for node in nodes:
@@ -204,7 +205,7 @@ def batch_epilogue(captured: Captured, program: ChunkedProgram, graph: fx.GraphM
             _refuse_batch(node, f"uses the batch size as a value ({value_use}) before the loss's reduction over "
                           "the sequence; each rank would compute it with its share's batch size. Use it only "
                           "after the reduction (e.g. loss.sum() / x.shape[0]) or as a shape")
-        if (why := next((w for B in Bs if (w := batch_mixing_reason(node, B)) is not None), None)):
+        if (why := batch_mixing_reason(node, Bs, same)) is not None:
             _refuse_batch(node, f"{why}, which mixes the samples of the batch before the loss's reduction; "
                           "each data-parallel rank holds only its share of the samples. Reduce over the "
                           "samples only in the loss (e.g. a mean or sum over all tokens)")
@@ -249,31 +250,34 @@ def _refuse_batch(node: fx.Node, why: str):
     raise SppoError(f"data_parallel: {describe_node(node)} {why}")
 
 
-def batch_mixing_reason(node: fx.Node, B) -> str | None:
-    """Why `node` mixes samples along the batch dim (symbol `B`), or None if each sample's
-    values depend on that sample only: the sequence analysis' rule for positions with B for
-    the sequence, except reshapes (a sample's values may fold with its positions, [B, T, V] ->
-    [B*T, V], as one block) and attention (over dims -2 and -1; the batch dim is before them)."""
+def batch_mixing_reason(node: fx.Node, Bs: list, same: dict) -> str | None:
+    """Why `node` mixes samples along the batch dim (any symbol of `Bs`), or None if each
+    sample's values depend on that sample only: the sequence analysis' rule for positions with
+    the batch for the sequence, except reshapes (a sample's values may fold with its positions,
+    [B, T, V] -> [B*T, V], as one block) and attention (over dims -2 and -1, after the batch).
+    `same` maps every batch and sequence symbol to one of each (the inputs' sizes are equal)."""
     if node.target in (SDPA, windowed_causal_attention, document_causal_attention):
         for a in node.args[:3]:
-            if any(_has_seq(s, B) for s in a.meta["val"].shape[-2:]):
+            if any(_has_seq(s, B) for s in a.meta["val"].shape[-2:] for B in Bs):
                 return "attends along the batch dimension"
         return None
     if node.target in _RESHAPES:
         x, out = node.args[0].meta["val"], node.meta["val"]
+        B = same[Bs[0]]
         blocks = []
         for v in (x, out):
-            dims = seq_dims_of(v, B)
+            sizes = [sympy.sympify(expr_of(s)).subs(same) for s in v.shape]
+            dims = [d for d, e in enumerate(sizes) if B in e.free_symbols]
             if not dims and v is x:
                 return None
             if len(dims) != 1:
                 return "reshapes the batch dimension into another number of dims"
-            per = sympy.simplify(expr_of(v.shape[dims[0]]) / B)
+            per = sympy.simplify(sizes[dims[0]] / B)
             if B in per.free_symbols:
                 return f"splits the batch dimension into blocks ({list(x.shape)} -> {list(out.shape)})"
-            blocks.append(sympy.simplify(per * sympy.Mul(*(expr_of(s) for s in v.shape[dims[0] + 1:]))))
+            blocks.append(sympy.simplify(per * sympy.Mul(*sizes[dims[0] + 1:])))
         if sympy.simplify(blocks[0] - blocks[1]) != 0:
             return f"reshapes so that samples interleave ({list(x.shape)} -> {list(out.shape)})"
         return None
-    why = _mixing_reason(node, B, {})
+    why = next((w for B in Bs if (w := _mixing_reason(node, B, {})) is not None), None)
     return why.replace("sequence", "batch") if why else None
