@@ -279,5 +279,9 @@ def batch_mixing_reason(node: fx.Node, Bs: list, same: dict) -> str | None:
         if sympy.simplify(blocks[0] - blocks[1]) != 0:
             return f"reshapes so that samples interleave ({list(x.shape)} -> {list(out.shape)})"
         return None
+    if node.target in (aten.pad.default, aten.constant_pad_nd.default):  # pads the last len(pad) // 2 dims
+        x = node.args[0].meta["val"]
+        if not any(_has_seq(s, B) for s in x.shape[x.dim() - len(node.args[1]) // 2:] for B in Bs):
+            return None
     why = next((w for B in Bs if (w := _mixing_reason(node, B, {})) is not None), None)
     return why.replace("sequence", "batch") if why else None
