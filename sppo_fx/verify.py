@@ -53,7 +53,9 @@ def prefix_call(call: tuple, seq_dim: int, seq_len: int, length: int) -> tuple:
     """(args, kwargs, target) with every tensor that has `seq_len` positions along
     `seq_dim` (the rule `capture` marks inputs dynamic by) cut to its first `length`."""
     leaves, spec = pytree.tree_flatten(call)
-    cut = [x.narrow(seq_dim, 0, length) if isinstance(x, torch.Tensor) and x.dim() > seq_dim
+    # contiguous: the user's code may `view` its inputs (nanoGPT's `y.view(-1)`), which a
+    # narrowed [B > 1, T] tensor would refuse
+    cut = [x.narrow(seq_dim, 0, length).contiguous() if isinstance(x, torch.Tensor) and x.dim() > seq_dim
            and x.shape[seq_dim] == seq_len else x for x in leaves]
     return pytree.tree_unflatten(cut, spec)
 

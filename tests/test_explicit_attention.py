@@ -164,3 +164,33 @@ def test_nanogpt_non_flash_matches_eager(mask_style):
     compiled = sppo_fx.compile(model, chunks=4, compile=False)
     assert_matches_eager(model, lambda m: m(x, y), lambda: compiled(x, y))
     assert len(compiled.program.attention) == 2
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1e-38, -1.0])
+def test_a_mask_added_with_alpha_is_refused(alpha):
+    """`torch.add(scores, mask, alpha=a)` is scores + a * mask: alpha 0 switches the mask
+    off, a tiny alpha makes -inf a finite penalty, -1 adds +inf. The proof is of the mask's
+    own values, so only alpha=1 is accepted (found by a review: these trained silently
+    wrong)."""
+    import torch.nn.functional as F
+
+    import sppo_fx
+    from sppo_fx.errors import SppoError
+
+    class AlphaMasked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.qkv, self.out = torch.nn.Embedding(37, 8), torch.nn.Linear(8, 24), torch.nn.Linear(8, 37)
+
+        def forward(self, x, y):
+            b, t = x.shape
+            q, k, v = (z.view(b, t, 2, 4).transpose(1, 2) for z in self.qkv(self.emb(x)).split(8, 2))
+            mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)
+            o = F.softmax(torch.add(q @ k.transpose(-2, -1) * 0.5, mask, alpha=alpha), dim=-1) @ v
+            return F.cross_entropy(self.out(o.transpose(1, 2).reshape(b, t, 8)).flatten(0, 1), y.flatten())
+
+    model = AlphaMasked()
+    x = torch.randint(0, 37, (2, 12))
+    with pytest.raises(SppoError, match="alpha="):
+        sppo_fx.compile(model, chunks=3, compile=False)(x, x)
+    assert all(p.grad is None for p in model.parameters())

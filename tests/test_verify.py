@@ -148,3 +148,23 @@ def test_verify_across_pipeline_and_sequence_parallel_ranks(tmp_path):
         (error,) = errors
         assert error is not None and "verify=True" in error, error
         assert all(v[layout]["grads_left"] == 0 for v in verdicts)
+
+
+def test_verify_runs_models_that_view_their_inputs():
+    """The prefix of a [B > 1, T] input is a strided slice; a model's `y.view(-1)` (the
+    nanoGPT idiom) must still run in the check (it raised a RuntimeError; found by review)."""
+    torch.manual_seed(0)
+    model = PeekingLM()
+
+    def loss_of(model, ids, targets):
+        b, t = ids.shape
+        h = model.embed(ids)
+        q, k, v = (z.view(b, t, model.heads, -1).transpose(1, 2) for z in model.qkv(h).chunk(3, -1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = model.head(h + model.proj(a.transpose(1, 2).reshape(b, t, -1)))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    x, y = _data()
+    step = sppo_fx.compile(loss_of, chunks=4, compile=False, verify=True)
+    step(model, x, y).backward()
+    assert all(p.grad is not None for p in model.parameters())

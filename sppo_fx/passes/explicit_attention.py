@@ -220,6 +220,11 @@ def _prove_causal(chain: _Chain, seq, param_value) -> tuple[str | None, ProvenMa
     if op is None:
         return "it has no mask (every query attends to every key)", None
     mask, how, fill = _mask_operand(op, chain.nodes)
+    alpha = op.kwargs.get("alpha", 1) if op.target is aten.add.Tensor else 1
+    if alpha != 1 or isinstance(alpha, bool):
+        # scores + alpha * mask (or mask + alpha * scores): the proof is of the mask's own
+        # values; alpha = 0 switches the mask off, a tiny one makes -inf a finite penalty
+        return f"it adds the mask with alpha={alpha} (only alpha=1 is proved)", None
     dtype = op.meta["val"].dtype
     scores = _scores_operand(op)
     if scores is None or list(op.meta["val"].shape) != list(scores.meta["val"].shape):
