@@ -289,18 +289,23 @@ CLI_CASES = [
     (["plan", "--device", "tpu"], ["argument --device", "unknown device profile 'tpu'"]),
     (["plan", "--stages", "256"], ["--stages 256 is more than --gpus 128"]),
     (["plan", "--host-memory", "0.5"], ["argument --host-memory", "did you mean a fraction"]),
-    (["trace", "--out", "/no/such/dir/t.json"], ["--out '/no/such/dir/t.json'", "existing directory"]),
+    (["trace", "--out", "MISSING/t.json"], ["--out 'MISSING/t.json'", "existing directory"]),
     (["explain", "--seq-len", "0"], ["argument --seq-len"]),
     (["explain", "--chunks", "9", "--seq-len", "8"], ["--chunks 9 is more than --seq-len 8"]),
     (["bench", "--steps", "0"], ["argument --steps"]),
     (["bench", "--timeout", "inf"], ["argument --timeout", "finite number of seconds"]),
-    (["bench", "--offload-dir", "/no/such/dir"], ["argument --offload-dir", "not an existing directory"]),
+    (["bench", "--offload-dir", "MISSING"], ["argument --offload-dir", "not an existing directory"]),
 ]
 
 
 @pytest.mark.parametrize("argv,fragments", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
-def test_bad_command_line_is_an_argparse_error(capsys, argv, fragments):
+def test_bad_command_line_is_an_argparse_error(capsys, tmp_path, argv, fragments):
     from sppo_fx.cli import main
+    # MISSING: a directory that does not exist on any machine this runs on (a fixed path
+    # such as /no/such/dir exists wherever something, run as root, once created it)
+    missing = str(tmp_path / "missing")
+    argv = [a.replace("MISSING", missing) for a in argv]
+    fragments = [f.replace("MISSING", missing) for f in fragments]
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert done.value.code == 2

@@ -50,7 +50,7 @@ class PeekingLM(nn.Module):
 def accept_every_mask(monkeypatch):
     """Break the mask recogniser: every SDPA mask is 'proven' causal."""
     import sppo_fx.passes.causal_mask as causal_mask
-    proven = types.SimpleNamespace(kind=types.SimpleNamespace(window=None), documents=None)
+    proven = types.SimpleNamespace(kind=types.SimpleNamespace(window=None), documents=None, limit=None)
     monkeypatch.setattr(causal_mask, "prove_mask", lambda *a, **k: proven)
 
 

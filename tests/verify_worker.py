@@ -24,7 +24,7 @@ class Patch:
         import types
         import sppo_fx.passes.causal_mask as causal_mask
         self._saved = causal_mask.prove_mask
-        proven = types.SimpleNamespace(kind=types.SimpleNamespace(window=None), documents=None)
+        proven = types.SimpleNamespace(kind=types.SimpleNamespace(window=None), documents=None, limit=None)
         causal_mask.prove_mask = lambda *a, **k: proven
 
     def __exit__(self, *exc):
