@@ -63,24 +63,11 @@ def check_timeout(timeout_s) -> float:
 
 def _served_store(timeout_s: float):
     """The rendezvous store rank 0 serves when no torchrun agent does, listening on
-    MASTER_ADDR only: torch's `TCPStore(addr, port, is_master=True)` listens on every
-    interface (`runtime/launch.py`, `loopback_store`), so the socket is bound here."""
+    MASTER_ADDR only (`runtime/launch.py`, `listening_store`: torch's own binds every
+    interface)."""
     import os
-    import socket
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(socket.SOMAXCONN)
-        store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store owns the descriptor now
-    return store
+    from sppo_fx.runtime.launch import listening_store
+    return listening_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> tuple[int, int]:

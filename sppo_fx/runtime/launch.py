@@ -11,28 +11,36 @@ import time
 LOOPBACK = "127.0.0.1"
 
 
-def loopback_store(timeout_s: float = 300.0):
-    """A rendezvous store (`TCPStore`, served by this process) that listens on 127.0.0.1 only.
+def listening_store(addr: str, port: int, timeout_s: float):
+    """A rendezvous store (`TCPStore`, served by this process) that listens on `addr` only,
+    on `port` (0: one the OS picks while it binds).
 
     `TCPStore(host, port, is_master=True)` listens on every interface whatever `host` says
     (torch 2.13, both its libuv and its classic backend bind the wildcard address; `host` is
     only where clients connect), and it has no authentication: anyone on the network could
-    read and write the ranks' keys. So this process binds the socket to loopback itself, on a
-    port the OS picks, and hands the listening socket to the store (`master_listen_fd`),
-    which then owns it (closes it when the store goes)."""
+    read and write the ranks' keys. So this process binds the socket itself and hands the
+    listening socket to the store (`master_listen_fd`), which then owns it (closes it when
+    the store goes)."""
     import torch.distributed as dist
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
     try:
-        sock.bind((LOOPBACK, 0))
+        if port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
         sock.listen(socket.SOMAXCONN)
-        port = sock.getsockname()[1]
-        store = dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
+        store = dist.TCPStore(addr, sock.getsockname()[1], is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
     except BaseException:
         sock.close()
         raise
     sock.detach()  # the store owns the descriptor now
     return store
+
+
+def loopback_store(timeout_s: float = 300.0):
+    """A rendezvous store served by this process on 127.0.0.1 only (`listening_store`)."""
+    return listening_store(LOOPBACK, 0, timeout_s)
 
 
 class LocalRanks(list):
