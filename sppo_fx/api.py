@@ -497,9 +497,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
     """
     check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir)
     check_call_options(seq_dim=seq_dim, partition=partition, loss_fn=loss_fn, compile=compile, log_passes=log_passes,
-                       split_points=split_points, mesh=mesh)
-    if not isinstance(verify, bool):
-        raise SppoError(f"verify={verify!r}: give True (check the first call against the model) or False")
+                       split_points=split_points, mesh=mesh, verify=verify)
     if budget is not None:
         from sppo_fx.solver.budget import parse_budget
         budget = parse_budget(budget)

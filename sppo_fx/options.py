@@ -202,7 +202,8 @@ def check_environment() -> None:
     secure_inductor_cache()
 
 
-def check_call_options(*, seq_dim, partition, loss_fn, compile, log_passes, split_points, mesh) -> None:
+def check_call_options(*, seq_dim, partition, loss_fn, compile, log_passes, split_points, mesh,
+                       verify=False) -> None:
     """Refuse the other option values of `sppo_fx.compile` that no call could use."""
     if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
         try:
@@ -219,6 +220,8 @@ def check_call_options(*, seq_dim, partition, loss_fn, compile, log_passes, spli
         raise SppoError(f"loss_fn={loss_fn!r} is not callable: give a function (output, target) -> loss, or None")
     if not isinstance(compile, bool):
         raise SppoError(f"compile={compile!r}: give True (Inductor) or False (eager)")
+    if not isinstance(verify, bool):
+        raise SppoError(f"verify={verify!r}: give True (check the first call against the model) or False")
     if log_passes is not None and not isinstance(log_passes, bool):
         raise SppoError(f"log_passes={log_passes!r}: give True, False or None")
     if split_points is not None and (isinstance(split_points, str) or not all(
