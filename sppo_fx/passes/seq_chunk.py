@@ -443,7 +443,10 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
             # fused QKV buffer, which would keep the whole buffer alive)
             k = cb.graph.call_function(aten.contiguous.default, (k,))
             v = cb.graph.call_function(aten.contiguous.default, (v,))
-            kwargs = {key: n.kwargs[key] for key in ("scale", "enable_gqa", "window") if key in n.kwargs}
+            kwargs = {key: n.kwargs[key] for key in ("scale", "enable_gqa", "window", "softcap", "alibi")
+                      if n.kwargs.get(key) is not None}
+            if n.kwargs.get("sinks") is not None:  # a learned [h] tensor: the chunk program reads it
+                kwargs["sinks"] = cb.get(n.kwargs["sinks"])
             documents = n.args[3] if n.target is document_causal_attention else None
             if documents is not None:  # each query's position in its document, this chunk's slice
                 kwargs["doc_pos"] = cb.get(documents)
