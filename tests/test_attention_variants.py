@@ -173,3 +173,51 @@ def test_near_variants_refused(style, message):
     with pytest.raises(SppoError, match=message):
         sppo_fx.compile(model, chunks=4, compile=False)(x, y)
     assert all(p.grad is None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- the Triton kernels
+
+INTERPRETER_SCRIPT = r'''
+import os
+assert os.environ.get("TRITON_INTERPRET") == "1"
+import torch
+torch.set_num_threads(1)
+from sppo_fx.ops.attention.triton_launch import launch_variant_fwd, launch_variant_bwd
+from sppo_fx.ops.attention.variants import dense_variant_attention
+for (p, c), softcap, sink, alibi in [((13, 20), 2.0, True, True), ((0, 20), 2.0, False, False),
+                                     ((37, 5), 0.0, True, False), ((5, 18), 0.0, False, True)]:
+    g = torch.Generator().manual_seed(p + c)
+    h, h_kv, d = 4, 2, 8
+    q, do = torch.randn(1, h, c, d, generator=g), torch.randn(1, h, c, d, generator=g)
+    k, v = torch.randn(1, h_kv, p + c, d, generator=g), torch.randn(1, h_kv, p + c, d, generator=g)
+    s = torch.randn(h, generator=g) if sink else None
+    slopes = [2.0 ** -(i + 1) for i in range(h)] if alibi else None
+    scale = d ** -0.5
+    # 16 x 16 tiles: several diagonal, ragged and unmasked tiles in every row and column
+    out, lse = launch_variant_fwd(q, k, v, scale, softcap, s, slopes, direct=True, block_m=16, block_n=16)
+    dq, dk, dv, ds = launch_variant_bwd(do, q, k, v, out, lse, scale, softcap, s, slopes, direct=True,
+                                        block_m=16, block_n=16)
+    ins = [t.double().requires_grad_() for t in (q, k, v)] + ([s.double().requires_grad_()] if sink else [])
+    ref = dense_variant_attention(*ins[:3], scale=scale, softcap=softcap or None,
+                                  sinks=ins[3] if sink else None, alibi=slopes)
+    for got, want in zip([out, dq, dk, dv] + ([ds] if sink else []), [ref] + list(torch.autograd.grad(ref, ins, do.double()))):
+        err = (got.double() - want).abs().max().item()
+        assert err < 1e-4, (p, c, softcap, sink, alibi, err)
+print("KERNELS OK")
+'''
+
+
+@pytest.mark.slow
+def test_triton_kernels_with_variants_under_the_interpreter(tmp_path):
+    pytest.importorskip("triton", reason="triton is not installed: the kernels cannot be interpreted")
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "variants_interpreted.py"
+    script.write_text(INTERPRETER_SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, str(script)], env=env, cwd=repo, capture_output=True, text=True,
+                         timeout=600)
+    assert "KERNELS OK" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
