@@ -236,3 +236,18 @@ def test_fallback_matches_on_cpu_where_flash_split_does_not_run(monkeypatch):
     monkeypatch.setattr(flash_split, "flash_split_supported", lambda q, k, v: "forced off")
     torch.testing.assert_close(prefix_causal_attention(*inputs), flash_split_attention(*inputs),
                                atol=2e-6, rtol=2e-5)
+
+
+def test_attention_bench_runs_on_cpu(capsys):
+    # bench/attention.py's CPU variant: the flash split against SDPA with a mask, tiny sizes
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "attention.py")
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "cpu", "--chunk", "16", "--prefixes", "0,24", "--heads", "4", "--kv-heads", "2",
+                       "--head-dim", "16", "--dtype", "fp16", "--warmup", "0", "--iters", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "flash split" in line]
+    assert len(rows) == 2 and not any("error" in r for r in rows), rows
+    assert all(float(r.rstrip("| ").rsplit("|", 1)[-1]) < 1e-5 for r in rows), rows  # fp32 on CPU
