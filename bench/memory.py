@@ -16,6 +16,7 @@ activations; at 4096 activations dominate, as they do for the long sequences SPP
 Configurations (--configs):
     eager          the model as written, full sequence
     checkpoint     torch.utils.checkpoint around every block (use_reentrant=False)
+    compile        torch.compile(model) (the second baseline: "vs torch.compile" lines)
     compile-amb    torch.compile with torch._functorch.config.activation_memory_budget = 0.5
     sppo           sppo_fx, FLOPs-balanced chunks (--chunks), no budget
     sppo-N%        sppo_fx with budget = N% of eager's measured peak extra memory (disk tier
@@ -49,12 +50,12 @@ from sppo_fx.benchmark import BenchConfig, add_ratios, run_grid  # noqa: E402
 from sppo_fx.benchmark.report import commit, format_table, machine  # noqa: E402
 from sppo_fx.errors import SppoError  # noqa: E402
 
-CONFIGS = ["eager", "checkpoint", "compile-amb", "sppo", "sppo-50%", "sppo-25%"]
+CONFIGS = ["eager", "compile", "checkpoint", "compile-amb", "sppo", "sppo-50%", "sppo-25%"]
 
 
 def config_for(name: str, base: BenchConfig, args) -> BenchConfig:
     """The engine's row for one of this script's configuration names."""
-    if name in ("eager", "checkpoint"):
+    if name in ("eager", "checkpoint", "compile"):
         return dataclasses.replace(base, kind=name)
     if name == "compile-amb":
         return dataclasses.replace(base, kind="compile-amb", amb=0.5)
@@ -66,6 +67,21 @@ def config_for(name: str, base: BenchConfig, args) -> BenchConfig:
         return dataclasses.replace(lib, budget=pct, offload=args.tier,
                                    skeleton="offload" if head == "sppo-skel" else "auto")
     raise SppoError(f"--configs {name!r}: use eager, checkpoint, compile-amb, sppo, sppo-N% or sppo-skel-N%")
+
+
+def vs_compile(rows: list[dict]) -> list[str]:
+    """Each row's median step time and peak over torch.compile(model)'s, when that row ran."""
+    import statistics
+    ok = [r for r in rows if "error" not in r]
+    base = next((r for r in ok if r["config"]["kind"] == "compile"), None)
+    if base is None:
+        return []
+    t0, m0 = statistics.median(base["step_by_round"]), statistics.median(base["peak_by_round"])
+    lines = ["vs torch.compile(model) (median step time, peak extra memory):"]
+    for r in ok:
+        t, m = statistics.median(r["step_by_round"]), statistics.median(r["peak_by_round"])
+        lines.append(f"  {r['label']:<24} time {t / t0:5.2f}x  memory {m / max(m0, 1):5.2f}x")
+    return lines
 
 
 def main() -> int:
@@ -109,6 +125,8 @@ def main() -> int:
     print(f"\nsppo_fx memory benchmark: {args.model}-{args.size}, T={args.seq_len}, batch 1, {args.dtype}, "
           f"{where}; budgets are fractions of eager's measured peak extra memory")
     print(format_table(result["rows"], base_row, notes))
+    for line in vs_compile(result["rows"]):
+        print(line)
     for r in result["rows"]:
         if r.get("plan"):
             print(f"  {r['label']}: plan {r['plan']}")

@@ -5,7 +5,10 @@ k, v [b, h_kv, c, d]; query row i sees keys 0..p+i (lower-right aligned, as
 `torch.nn.attention.bias.causal_lower_right`). The chunk pass emits
 `prefix_causal_attention(q, k_prefix, k, v_prefix, v)`:
 
-* on a GPU it runs the Triton chunk-attention kernel on the concatenated K/V, as an opaque
+* on CUDA, where torch's flash kernels can run it (`ops.attention.flash_split`: half
+  precision, head dim a multiple of 8 up to 256, sm_80+), the prefix and the causal square
+  run as two flash calls merged by log-sum-exp, saving the prefix as the view it is;
+* on other GPU inputs it runs the Triton chunk-attention kernel on the concatenated K/V, as an opaque
   op (`ops.chunk_attention.chunk_attention_opaque`: Inductor calls it like SDPA) with
   SDPA's output layout;
 * on CPU it runs ATen's CPU flash-attention kernels twice, over the prefix (every query
@@ -39,6 +42,11 @@ _FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _triton_ready() -> bool:
     from sppo_fx.ops.chunk_attention import HAS_TRITON
     return HAS_TRITON
+
+
+def _flash_split_reason(q, k, v):
+    from sppo_fx.ops.attention.flash_split import flash_split_supported
+    return flash_split_supported(q, k, v)
 
 
 def _cpu_parts(k_prefix, k, v_prefix, v):
@@ -110,6 +118,9 @@ def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     if window is not None:
         return _windowed_prefix_attention(q, k_prefix, k, v_prefix, v, scale, enable_gqa, window)
+    if q.device.type == "cuda" and _flash_split_reason(q, k, v) is None:
+        from sppo_fx.ops.attention.flash_split import flash_split_attention
+        return flash_split_attention(q, k_prefix, k, v_prefix, v, scale)
     if q.device.type != "cpu" and _triton_ready():
         from sppo_fx.ops.chunk_attention import chunk_attention_opaque
         return chunk_attention_opaque(q, torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2), scale=scale)

@@ -106,6 +106,9 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
         from sppo_fx.runtime.distributed import init_from_env
         rank, _ = init_from_env(300)
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    if device.type == "cuda" and cfg.kind == "sppo" and cfg.stages > 1:
+        from sppo_fx.runtime.distributed import rank_device
+        device = rank_device()  # each pipeline rank on its own GPU (NCCL)
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = build(cfg.model, cfg.size)

@@ -110,6 +110,9 @@ if HAS_TRITON:
         SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ):
         """Grid: (cdiv(C, BLOCK_M), B * H).  One program = one query block of one head."""
+        # Inductor passes Python-float kernel args as fp64 (eager Triton as fp32); fp64
+        # scores would turn the loop-carried softmax state and tl.dot's accumulator fp64
+        qk_scale = tl.cast(qk_scale, tl.float32)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         off_b = (pid_bh // H).to(tl.int64)
@@ -246,6 +249,10 @@ if HAS_TRITON:
     ):
         """Grid: (cdiv(N, BLOCK_N), B * H_KV).  One program = one key block of one kv head,
         looping over the GROUP query heads that share it (no atomics needed)."""
+        # Inductor passes Python-float kernel args as fp64 (eager Triton as fp32); fp64
+        # scores would turn the loop-carried softmax state and tl.dot's accumulator fp64
+        qk_scale = tl.cast(qk_scale, tl.float32)
+        scale = tl.cast(scale, tl.float32)
         pid_n = tl.program_id(0)
         pid_bhk = tl.program_id(1)
         off_b = (pid_bhk // H_KV).to(tl.int64)
@@ -348,6 +355,10 @@ if HAS_TRITON:
         SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ):
         """Grid: (cdiv(C, BLOCK_M), B * H).  One program = one query block of one head."""
+        # Inductor passes Python-float kernel args as fp64 (eager Triton as fp32); fp64
+        # scores would turn the loop-carried softmax state and tl.dot's accumulator fp64
+        qk_scale = tl.cast(qk_scale, tl.float32)
+        scale = tl.cast(scale, tl.float32)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         off_b = (pid_bh // H).to(tl.int64)
