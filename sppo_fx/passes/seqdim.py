@@ -50,7 +50,7 @@ SIZE, PARAM, INPUT, POSITION, DATA = "size", "param", "input", "position", "data
 # Ops that never mix positions, whatever their dims (views and copies keep each token's
 # values at its own position). Reshapes are not among them: see `_RESHAPES`.
 _LAYOUT_OPS = {
-    aten.expand.default,
+    aten.expand.default, aten.broadcast_to.default,
     aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
     aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.clone.default,
     aten.contiguous.default, aten.alias.default, aten.detach.default, aten.detach_.default,
@@ -67,7 +67,7 @@ _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 # position range the chunk pass offsets); "all" for ops whose sizes are checked elsewhere
 _SHAPE_ARGS = {
     aten.view.default: {1}, aten.reshape.default: {1}, aten._unsafe_view.default: {1},
-    aten.expand.default: {1}, aten.unflatten.int: {2}, aten.arange.default: {0}, aten.arange.start: {0, 1},
+    aten.expand.default: {1}, aten.broadcast_to.default: {1}, aten.unflatten.int: {2}, aten.arange.default: {0}, aten.arange.start: {0, 1},
     aten.arange.start_step: {0, 1}, aten.slice.Tensor: {2, 3}, aten.zeros.default: {0}, aten.ones.default: {0},
     aten.empty.memory_format: {0}, aten.full.default: {0}, aten.new_zeros.default: {1},
     aten.new_ones.default: {1}, aten.new_empty.default: {1}, aten.new_full.default: {1},
