@@ -1,4 +1,6 @@
-"""The Plan: how one sequence is cut into chunks (and, later, where activations live).
+"""The Plan: how one sequence is cut into chunks, what each chunk offloads and to which
+tier, the recompute policy, where the K/V skeleton lives, and the solver's predicted peak
+and step time.
 
 A Plan is plain data: it prints as a table and round-trips through JSON.
 """

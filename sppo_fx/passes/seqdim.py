@@ -115,17 +115,6 @@ class SeqInfo:
         return f"{self.kind:8s} {self.role:11s} seq_dims={dims}"
 
 
-def seq_symbol_of(node: fx.Node, dim: int) -> sympy.Symbol | None:
-    """The sympy symbol of dim `dim` of a placeholder's traced value, or None if static."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or dim >= val.dim():
-        return None
-    size = val.shape[dim]
-    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-        return size.node.expr
-    return None
-
-
 def expr_of(value) -> sympy.Expr | None:
     """The sympy expression of an int/SymInt (None for anything else)."""
     if isinstance(value, torch.SymInt):
