@@ -68,11 +68,7 @@ def _ids():
 
 
 # family -> (attention implementation, what the refusal names): refused with a clear error
-REFUSED = {
-    # its written-out attention builds the mask through `where` in a form that
-    # passes/causal_mask.py does not recognise as causal
-    ("falcon", "eager"): "aten.where.ScalarOther",
-}
+REFUSED = {}  # (Falcon's written-out attention is proven since issue 30: tests/test_falcon.py)
 
 
 @pytest.mark.parametrize("attn", [None, "eager"], ids=["default", "eager"])

@@ -2,6 +2,7 @@
 
     captured graph
       -> strip_asserts            drop export's metadata asserts, dead code
+      -> recognize_cumsum_positions  cumsum of ones along the sequence -> arange(T) + 1
       -> recognize_causal_masks   SDPA(mask built from positions) -> causal / sliding-window attention
       -> recognize_explicit_attention  softmax(masked q@kᵀ·s) @ v, mask proved causal
                                   -> SDPA(is_causal=True, scale=s)
@@ -38,6 +39,7 @@ from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.log import enable, get_logger
 from sppo_fx.passes.causal_mask import recognize_causal_masks
 from sppo_fx.passes.explicit_attention import recognize_explicit_attention
+from sppo_fx.passes.positions import recognize_cumsum_positions
 from sppo_fx.passes.loss_epilogue import LOSSES, build_epilogue, loss_reduction
 from sppo_fx.passes.seq_chunk import ChunkedProgram, ReductionSite, _Builder, build_size, chunk_program
 from sppo_fx.passes.seqdim import (_RESHAPES, SDPA, _has_seq, _is_size_node, _length_as_value, _mixing_reason,
@@ -84,6 +86,7 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
     params = set(captured.param_fqns)
     steps = [
         ("strip_asserts", lambda g: strip_asserts(g)),
+        ("recognize_cumsum_positions", lambda g: recognize_cumsum_positions(g, captured.seq, captured.param_value)),
         ("recognize_causal_masks",
          lambda g: recognize_causal_masks(g, captured.seq, params, captured.param_value)),
         ("recognize_explicit_attention",

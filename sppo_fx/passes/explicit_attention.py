@@ -55,6 +55,11 @@ aten = torch.ops.aten
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _SCALE_MUL = {aten.mul.Tensor, aten.mul.Scalar}
 _SCALE_DIV = {aten.div.Tensor, aten.div.Scalar}
+# Falcon's `scores /= sqrt(d)`: in place on the scores only, whose chain nodes each have one
+# user and are erased with the chain (an in-place scale of q or k would stay in the graph
+# and scale them twice, so those are not stripped)
+_INPLACE_SCALE = {aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
+                  aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar}
 _MASK_OPS = {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.add.Tensor, aten.where.self,
              aten.where.ScalarOther}
 _WIDE = {torch.float32, torch.float64}
@@ -85,17 +90,18 @@ def _number(arg):
     return None
 
 
-def _strip_scale(node, scale: float, chain: list):
+def _strip_scale(node, scale: float, chain: list, inplace: bool = False):
     """Follow mul/div by Python numbers upwards; returns (node, accumulated scale)."""
     while isinstance(node, fx.Node) and node.op == "call_function" and \
-            node.target in _SCALE_MUL | _SCALE_DIV:
+            (node.target in _SCALE_MUL | _SCALE_DIV or (inplace and node.target in _INPLACE_SCALE)):
+        target = _INPLACE_SCALE.get(node.target, node.target)
         a, b = node.args[0], node.args[1]
         c = _number(b)
-        if c is None and node.target in _SCALE_MUL and _number(a) is not None:
+        if c is None and target in _SCALE_MUL and _number(a) is not None:
             a, c = b, _number(a)
         if c is None or not isinstance(a, fx.Node):
             break
-        scale = scale * c if node.target in _SCALE_MUL else scale / c
+        scale = scale * c if target in _SCALE_MUL else scale / c
         chain.append(node)
         node = a
     return node, scale
@@ -172,7 +178,7 @@ def _match(softmax: fx.Node, seq) -> _Chain | None:
         below = _strip_casts(s, [], wide_only=False)
         if mask_op is None and below.op == "call_function" and below.target in _MASK_OPS:
             refuse_stray_tanh(softcap.nodes[1], "is applied after the mask (tanh(scores + mask))")
-    s, scale = _strip_scale(s, 1.0, up)
+    s, scale = _strip_scale(s, 1.0, up, inplace=True)
     if s.op == "call_function" and s.target is aten.tanh.default:
         refuse_stray_tanh(s, "is not of the form cap * tanh(scores / cap) below the mask")
     s = _strip_casts(s, up, wide_only=True)
@@ -263,8 +269,7 @@ def _check_shapes(chain: _Chain, seq) -> str | None:
         return "q, k and v are not 4-D [batch, heads, seq, head_dim] tensors"
     if not all(_is_seq(t.shape[-2], seq) for t in (q, k, v)):
         return "q, k or v does not have the sequence length in dim -2"
-    if list(q.shape[:-2]) != list(k.shape[:-2]) or list(k.shape[:-2]) != list(v.shape[:-2]) \
-            or q.shape[-1] != k.shape[-1]:
+    if not _kv_heads_broadcast(q, k, v) or q.shape[-1] != k.shape[-1]:
         return "q, k and v have different batch or head dims"
     if not (q.dtype == k.dtype == v.dtype == out.dtype):
         return f"q, k, v and the output have different dtypes ({q.dtype}, {k.dtype}, {v.dtype}, {out.dtype})"
@@ -272,6 +277,14 @@ def _check_shapes(chain: _Chain, seq) -> str | None:
         if len(n.users) != 1:
             return f"the intermediate '{n.name}' is also used elsewhere (e.g. returned attention weights)"
     return None
+
+
+def _kv_heads_broadcast(q, k, v) -> bool:
+    """k and v have q's batch and head dims, or one head that the matmuls broadcast over
+    q's (multi-query attention, as Falcon writes it): SDPA broadcasts it the same way."""
+    if list(k.shape[:-2]) != list(v.shape[:-2]) or k.shape[0] != q.shape[0]:
+        return False
+    return list(q.shape[:-2]) == list(k.shape[:-2]) or (k.dim() == 4 and k.shape[1] == 1)
 
 
 def recognize_explicit_attention(gm: fx.GraphModule, seq: sympy.Symbol, param_value) -> fx.GraphModule:

@@ -102,9 +102,10 @@ class SeqLimit:
     max_len: int
     dtype: torch.dtype
     where: str
+    what: str = "the attention mask"  # what computes the positions
 
     def message(self, seq_len: int) -> str:
-        return (f"the attention mask computes positions in {self.dtype} ({self.where}), exact only for "
+        return (f"{self.what} computes positions in {self.dtype} ({self.where}), exact only for "
                 f"sequences of at most {self.max_len} tokens; this sequence has {seq_len}. Compute the "
                 "positions in torch.int64 (or a wider dtype), or train on shorter sequences")
 
