@@ -71,8 +71,8 @@ def _scalar(x, seq) -> Aff:
     """A Python number or a SymInt (node): a 0-d value affine in T."""
     if isinstance(x, fx.Node):
         x = x.meta.get("val")
-    if isinstance(x, torch.SymInt):
-        e = sympy.expand(x.node.expr)
+    if isinstance(x, (torch.SymInt, _Expr)):
+        e = sympy.expand(x.node.expr if isinstance(x, torch.SymInt) else x.expr)
         a, b = e.coeff(seq, 1), e.subs(seq, 0)
         if sympy.expand(e - a * seq - b) != 0 or not (a.is_number and b.is_number):
             raise NotAffine(f"the size {e} is not affine in the sequence length")
@@ -376,9 +376,9 @@ class Evaluator:
             start = a[2] if len(a) > 2 and a[2] is not None else 0
             step = a[4] if len(a) > 4 else 1
             length = _shape(n)[d]
-            if v.shape[d] == 1 and length == 1:  # whatever the start (MPT's max(0, 1 - T)), the one row
-                return v
-            st = self(start)
+            if v.shape[d] == 1:  # whatever the start (MPT's max(0, 1 - T)): the one row (an empty
+                return v         # slice would not broadcast against the scores)
+            st = self(_max0(start))
             if st.fixed() and float(st.K) < 0:  # a negative start counts from the end
                 st = linear(_scalar_size(v.shape[d], self.seq), st, 1.0, 1.0)
             elif not st.fixed() and not (float(st.KT) < 0 <= float(st.K) and isinstance(v.shape[d], int)):
@@ -399,6 +399,21 @@ class Evaluator:
             out = t(vals, *a[1:]) if t is aten.cat.default else t(*vals)
             return _const(list(out.shape), out)
         raise NotAffine(f"{describe_node(n)} is not an op the bias proof follows")
+
+
+def _max0(start):
+    """max(0, L - T) as a slice start (MPT's last T of L columns) is L - T: the slice has the
+    sequence length T only while T <= L (checked by the caller's shape), where the two agree."""
+    val = start.meta.get("val") if isinstance(start, fx.Node) else None
+    if isinstance(val, torch.SymInt) and type(val.node.expr).__name__ == "Max" and len(val.node.expr.args) == 2 \
+            and 0 in val.node.expr.args:
+        return _Expr(next(a for a in val.node.expr.args if a != 0))
+    return start
+
+
+class _Expr:
+    def __init__(self, expr):
+        self.expr = expr
 
 
 def _scalar_size(size, seq) -> Aff:
