@@ -282,7 +282,7 @@ class Evaluator:
         if isinstance(val, torch.SymInt) or isinstance(val, (int, float)) and n.op == "call_function":
             return _scalar(val, self.seq)
         if n.op in ("placeholder", "get_attr"):
-            t = self.param_value(n)
+            t = self.param_value(n.name if n.op == "placeholder" else n.target)
             if t is None:
                 raise NotAffine(f"it depends on the input '{n.name}' (only a bias computed from positions and "
                                 "constants can be proven)")
