@@ -4,8 +4,7 @@ SDPA path for it, so default and eager are the same code), with full and sliding
 layers. Each test prints the largest relative gradient difference against eager (the
 number docs/models-attention.md reports; run with -s to see it).
 
-Bloom and MPT (ALiBi) are not recognised yet (docs/models-attention.md says why); the
-test below pins that they are refused by name, before any step.
+Bloom and MPT (ALiBi): tests/test_hf_families_alibi.py.
 """
 from __future__ import annotations
 

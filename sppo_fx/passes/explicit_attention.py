@@ -45,6 +45,7 @@ import torch.fx as fx
 
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.attention import document_causal_attention, windowed_causal_attention
+from sppo_fx.passes.alibi import match_baddbmm, match_bmm_out, prove_alibi, strip_bias
 from sppo_fx.passes.attention_variants import match_sink, refuse_stray_tanh, strip_softcap
 from sppo_fx.passes.document_mask import ProvenMask, document_positions_node, prove_mask
 from sppo_fx.passes.mask_proof import CAST_OPS, NotProvable, evaluate_mask, is_blocking_fill, record_seq_limit
@@ -78,6 +79,7 @@ class _Chain:
     dropout_issue: str | None
     softcap: float | None = None
     sink: object = None  # attention_variants.Sink
+    bias: object = None  # alibi.Bias: an additive bias below the mask, proven ALiBi or refused
 
 
 def _is_seq(size, seq) -> bool:
@@ -155,7 +157,11 @@ def _match(softmax: fx.Node, seq) -> _Chain | None:
                                  "chunk as eager does; set the attention dropout to 0 or call model.eval()")
         elif u.target is aten.matmul.default and u.args[0] is node:
             down.append(u)
-            out = u
+            out, v = u, u.args[1]
+            break
+        elif (flat := match_bmm_out(u, node)) is not None:  # Bloom: [b*h, T, T] @ [b*h, T, d]
+            down += flat.nodes
+            out, v = flat.out, flat.v
             break
         else:
             return None
@@ -172,6 +178,10 @@ def _match(softmax: fx.Node, seq) -> _Chain | None:
         if s is None:
             return None
         s = _strip_casts(s, up, wide_only=True)
+    s, bias = strip_bias(s)
+    if bias is not None:
+        up += bias.nodes
+        s = _strip_casts(s, up, wide_only=True)
     s, softcap = strip_softcap(s)
     if softcap is not None:
         up += softcap.nodes
@@ -182,21 +192,26 @@ def _match(softmax: fx.Node, seq) -> _Chain | None:
     if s.op == "call_function" and s.target is aten.tanh.default:
         refuse_stray_tanh(s, "is not of the form cap * tanh(scores / cap) below the mask")
     s = _strip_casts(s, up, wide_only=True)
-    if not (s.op == "call_function" and s.target is aten.matmul.default):
+    flat = match_baddbmm(s) if bias is None else None
+    if flat is not None:  # Bloom: baddbmm(B, q3, k3^T, beta, alpha).view(b, h, T, T)
+        up.append(s)
+        scores, q, k, bias = flat.nodes[2], flat.q, flat.k, flat.bias
+        scale, q_scale, k_scale, k_scale2 = scale * flat.alpha, 1.0, 1.0, 1.0
+    elif not (s.op == "call_function" and s.target is aten.matmul.default):
         return None
-    scores = s
-    q, q_scale = _strip_scale(scores.args[0], 1.0, [])
-    kt, k_scale = _strip_scale(scores.args[1], 1.0, [])
-    if not (kt.op == "call_function" and _swaps_last_two(kt)):
-        return None
-    k, k_scale2 = _strip_scale(kt.args[0], 1.0, [])
-    v = out.args[1]
+    else:
+        scores = s
+        q, q_scale = _strip_scale(scores.args[0], 1.0, [])
+        kt, k_scale = _strip_scale(scores.args[1], 1.0, [])
+        if not (kt.op == "call_function" and _swaps_last_two(kt)):
+            return None
+        k, k_scale2 = _strip_scale(kt.args[0], 1.0, [])
     nodes = [scores] + list(reversed(up)) + [softmax] + down
     scale = scale * q_scale * k_scale * k_scale2
     if softcap is not None:  # c2 * tanh(a * scale * q.k) = cap * tanh(scale' * q.k / cap)
         scale = softcap.inner * scale * softcap.cap
     return _Chain(softmax, out, q, k, v, scale, mask_op, nodes, dropout_issue,
-                  softcap.cap if softcap is not None else None, sink)
+                  softcap.cap if softcap is not None else None, sink, bias)
 
 
 def _scores_operand(op: fx.Node) -> fx.Node | None:
@@ -320,12 +335,14 @@ def recognize_explicit_attention(gm: fx.GraphModule, seq: sympy.Symbol, param_va
         variant = {}
         if chain.softcap is not None:
             variant["softcap"] = chain.softcap
+        if chain.bias is not None and (slopes := prove_alibi(chain.bias, seq, param_value, chain.softmax)):
+            variant["alibi"] = slopes
         if chain.sink is not None:
             with gm.graph.inserting_before(chain.out):  # [1, h, 1, 1] -> [h], one logit per query head
                 variant["sinks"] = gm.graph.call_function(aten.reshape.default, (chain.sink.per_head, [chain.sink.heads]))
                 variant["sinks"].meta["val"] = chain.sink.per_head.meta["val"].reshape(chain.sink.heads)
         if variant and doc_pos is not None:
-            raise SppoError(f"{describe_node(chain.softmax)}: soft-capping or attention sinks inside packed "
+            raise SppoError(f"{describe_node(chain.softmax)}: soft-capping, attention sinks or ALiBi inside packed "
                             "documents are not supported by sppo_fx's chunked attention yet; train on unpacked "
                             "sequences")
         with gm.graph.inserting_before(chain.out):
