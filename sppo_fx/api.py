@@ -188,6 +188,7 @@ class SppoCompiled:
         if cached is not None:
             return cached
         from sppo_fx.solver.budget import budget_plan, memory_models, solve
+        from sppo_fx.solver.clock import Clock
         from sppo_fx.solver.profile_cache import device_profile
         o = self.options
         policies = RECOMPUTE_POLICIES if o.recompute == "auto" else (o.recompute,)
@@ -216,7 +217,7 @@ class SppoCompiled:
                            rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half,
                            skeletons=skeletons, copies_share_compute=device == "cpu",
                            cache=(profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes)
-                           if o.offload == "disk" else None)
+                           if o.offload == "disk" else None, clock=Clock.of(profile, o.compile, o.offload))
         plan = budget_plan(seq_len, chosen, o.budget, o.offload)
         log.info("plan: %d chunks, recompute %s, K/V skeleton %s, predicted peak %.1f MiB of %.1f MiB, "
                  "predicted step %.3g s", len(plan.chunk_lengths), plan.recompute, plan.skeleton,
@@ -404,7 +405,7 @@ class SppoCompiled:
         self.profile = self.profile or device_profile(device, dir=o.offload_dir)
         skeleton = self.plan.skeleton or ("keep" if o.skeleton == "auto" else o.skeleton)
         return predict_plan(e.cost, e.memory[recompute], self.plan, offload=o.offload, skeleton=skeleton,
-                            profile=self.profile, device=device)
+                            profile=self.profile, device=device, compiled=o.compile)
 
     @property
     def mesh(self):

@@ -110,7 +110,8 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     result = run_grid(configs, rounds=args.rounds, timeout=args.timeout, progress=progress)
     machine["load_average_1min_end"] = load_average()
     base, notes = add_ratios(result["rows"], args.baseline)
-    result.update(machine=machine, commit=head, baseline=base and base["label"], command=" ".join(sys.argv))
+    result.update(machine=machine, commit=head, baseline=base and base["label"], command=" ".join(sys.argv),
+                  accuracy=report.accuracy(result["rows"]))
     written = list(report.write_records(result, args.out)) if args.out else []  # before anything can fail
     title = (f"{args.model}-{args.size}, T={args.seq_len}, batch {args.batch}, {args.steps} steps x "
              f"{args.rounds} round(s)")
@@ -118,6 +119,8 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     print(f"\nsppo_fx bench: {title}; {m['cpu']} ({m['cores']} cores, load {m['load_average_1min']})"
           + (f", {m['gpu']}" if m["gpu"] else "") + f"; torch {m['torch']}; commit {result['commit']}")
     print(report.format_table(result["rows"], base, notes))
+    if result["accuracy"]:
+        print(report.format_accuracy(result["accuracy"]))
     points = plot.points_of(result["rows"])
     print("\nstep time vs peak extra memory:\n" + plot.text_plot(points))
     if args.plot and points:
