@@ -240,6 +240,8 @@ class _Walk:
             self.refuse(node, "uses a row number of the whole flattened batch (the position of a slot after "
                         "sorting the tokens by expert) as a value, e.g. to limit each expert's capacity; a "
                         "chunk would number its own rows")
+        if Counts in kinds and t in _SAME_ROWS and len(ins) == 1:  # e.g. float counts to int32 offsets
+            return self.set(node, self.absval[ins[0]], "the same counts")
         if Counts in kinds:
             self.refuse(node, "reads the per-expert token counts of a sort for something other than grouping the "
                         "rows of a grouped matmul (e.g. an expert capacity limit), which depends on the tokens "
@@ -399,6 +401,8 @@ class _Walk:
 
     def cumsum(self, node):
         c = self.absval.get(node.args[0])
+        if isinstance(c, Rows) and _arg(node, 1, "dim") % _val(node.args[0]).dim() != 0:
+            return self.rowwise(node)  # along another dim of each row
         if not isinstance(c, Counts) or c.cumulative or _arg(node, 1, "dim") not in (0, -1):
             self.refuse(node, "accumulates along the token rows (e.g. numbering each expert's tokens to drop those "
                         "past a capacity: the count runs over the whole batch, a chunk would count its own)")
@@ -435,6 +439,10 @@ class _Walk:
             return self.set(node, self.absval[ins[0]], "a copy of token-expert rows")
         if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
             pass
+        elif t is aten.one_hot.default:
+            pass  # each value to its own row of zeros and a one
+        elif t is aten.cumsum.default:
+            pass  # along another dim than the rows (checked by `cumsum`)
         elif t is aten.unsqueeze.default:
             ok = ok and node.args[1] % (_val(node.args[0]).dim() + 1) != 0
         elif t in _SAME_ROWS or t in _MATMULS:

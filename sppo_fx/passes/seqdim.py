@@ -261,8 +261,11 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
         dim = node.args[pos] if pos is not None and len(node.args) > pos else node.kwargs.get("dim", default)
         if dim is None:  # repeat_interleave without a dim flattens the tensor first
             return "works on the flattened tensor, sequence included"
-        if _has_seq(x.shape[dim % x.dim()], seq):
-            return f"works along the sequence dimension (dim {dim})"
+        if _has_seq(x.shape[dim % x.dim()], seq):  # the MoE variants that do this: docs/models-moe.md
+            hint = {aten.topk.default: " (a top-k over the tokens: expert-choice routing, whose experts pick "
+                    "among all tokens)", aten.cumsum.default: " (e.g. a capacity limit numbering each expert's "
+                    "tokens over the whole batch)"}.get(target, "")
+            return f"works along the sequence dimension (dim {dim}){hint}"
         return None
     if target is aten.index.Tensor:
         return _index_mixing_reason(node, x, seq)
