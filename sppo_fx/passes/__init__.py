@@ -40,7 +40,8 @@ from sppo_fx.log import enable, get_logger
 from sppo_fx.passes.causal_mask import recognize_causal_masks
 from sppo_fx.passes.explicit_attention import recognize_explicit_attention
 from sppo_fx.passes.positions import recognize_cumsum_positions
-from sppo_fx.passes.loss_epilogue import LOSSES, build_epilogue, loss_reduction
+from sppo_fx.passes.loss_epilogue import LOSSES, additive_reduction, build_epilogue, loss_reduction
+from sppo_fx.passes.moe_dispatch import prove_dispatch
 from sppo_fx.passes.seq_chunk import ChunkedProgram, ReductionSite, _Builder, build_size, chunk_program
 from sppo_fx.passes.seqdim import (_RESHAPES, SDPA, _has_seq, _is_size_node, _length_as_value, _mixing_reason,
                                    _tensor_inputs, analyse, expr_of, format_analysis, seq_dims_of)
@@ -187,6 +188,7 @@ def batch_epilogue(captured: Captured, program: ChunkedProgram, graph: fx.GraphM
     seqs = _input_symbols(nodes, captured)
     Bs = sorted(captured.batch, key=str)
     same = {**{s: seqs[0] for s in seqs}, **{B: Bs[0] for B in Bs}}  # the inputs' sizes are equal at run time
+    dispatch = set().union(*(prove_dispatch(gm, B) for B in Bs))  # MoE rows are per sample as per token
     after: set[fx.Node] = set()  # computed from the loss's reductions over the sequence
     frontier, reads_batch = [], False
     for node in nodes:
@@ -197,9 +199,11 @@ def batch_epilogue(captured: Captured, program: ChunkedProgram, graph: fx.GraphM
             after.add(node)
             reads_batch |= value_use is not None
             continue
+        if node.name in dispatch:
+            continue
         ins = [a.meta.get("val") for a in _tensor_inputs(node)]
         full = node.target in (aten.sum.default, aten.mean.default) or \
-            (node.target in LOSSES and loss_reduction(node) != 0)
+            (node.target in LOSSES and loss_reduction(node) != 0) or any(additive_reduction(node, B) for B in Bs)
         if full and any(seq_dims_of(v, s) for v in ins for s in seqs):
             frontier.append(node)
             after.add(node)

@@ -40,7 +40,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.markers import SPLIT_POINT
-from sppo_fx.passes.loss_epilogue import LOSSES, class_dim_reason, loss_reduction
+from sppo_fx.passes.loss_epilogue import LOSSES, additive_reduction, class_dim_reason, loss_reduction
+from sppo_fx.passes.moe_dispatch import prove_dispatch
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -116,8 +117,8 @@ class SeqInfo:
 
 
 def expr_of(value) -> sympy.Expr | None:
-    """The sympy expression of an int/SymInt (None for anything else)."""
-    if isinstance(value, torch.SymInt):
+    """The sympy expression of an int/SymInt/SymFloat (None for anything else)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
         return value.node.expr
     if isinstance(value, int) and not isinstance(value, bool):
         return sympy.Integer(value)
@@ -249,8 +250,11 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
         dim = node.args[pos] if pos is not None and len(node.args) > pos else node.kwargs.get("dim", default)
         if dim is None:  # repeat_interleave without a dim flattens the tensor first
             return "works on the flattened tensor, sequence included"
-        if _has_seq(x.shape[dim % x.dim()], seq):
-            return f"works along the sequence dimension (dim {dim})"
+        if _has_seq(x.shape[dim % x.dim()], seq):  # the MoE variants that do this: docs/models-moe.md
+            hint = {aten.topk.default: " (a top-k over the tokens: expert-choice routing, whose experts pick "
+                    "among all tokens)", aten.cumsum.default: " (e.g. a capacity limit numbering each expert's "
+                    "tokens over the whole batch)"}.get(target, "")
+            return f"works along the sequence dimension (dim {dim}){hint}"
         return None
     if target is aten.index.Tensor:
         return _index_mixing_reason(node, x, seq)
@@ -400,6 +404,7 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
         cannot be made exact per chunk.
     """
     param_names, activations = set(param_names), set(activations)
+    prove_dispatch(gm, seq)  # MoE dispatches: node.meta["sppo_moe"] on what it proved token-local
     infos: dict[fx.Node, SeqInfo] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -431,6 +436,9 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
                 "it only as a shape")
         if kind == PARAM:
             continue
+        if node.meta.get("sppo_moe"):  # an MoE dispatch's op, proven per token by passes/moe_dispatch.py
+            info.role, info.note = "token_local", node.meta["sppo_moe"]
+            continue
         if node.target in _ARANGES or (node.target is aten.slice.Tensor and origin <= {PARAM, POSITION}
                                         and not any(infos[n].seq_dims for n in _tensor_inputs(node))):
             if info.seq_dims:
@@ -461,7 +469,8 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
                 f"{describe_node(node)}: attention {why}. sppo_fx chunks the sequence and needs "
                 "causal attention (is_causal=True, or a causal mask built from positions), "
                 "with dropout_p=0")
-        if node.target in _FULL_REDUCTIONS or (node.target in _LOSSES and not class_dim_reason(node, seq)):
+        if node.target in _FULL_REDUCTIONS or (node.target in _LOSSES and not class_dim_reason(node, seq)) \
+                or additive_reduction(node, seq):
             if any(len(infos[n].seq_dims) > 1 for n in _tensor_inputs(node)):
                 raise SppoError(
                     f"{describe_node(node)} reduces a value with more than one sequence dimension (a "
