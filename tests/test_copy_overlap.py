@@ -166,3 +166,30 @@ def test_profiled_step_with_disk_offload(tmp_path):
     assert ov.copies > 0 and ov.copy_s > 0
     assert 0.0 <= ov.hidden_fraction <= 1.0
     assert ov.hidden_s <= ov.copy_s
+
+
+def _bench_memory():
+    import importlib.util
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_memory", os.path.join(root, "bench", "memory.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_memory_hidden_copy_lines():
+    bench = _bench_memory()
+    ov = lambda copy_s, hidden_s, n=3, nbytes=None: {  # noqa: E731
+        "copy_s": copy_s, "hidden_s": hidden_s, "copies": n, "bytes": nbytes,
+        "hidden_fraction": hidden_s / copy_s if copy_s else None}
+    runs = [{"label": "eager", "round": 0},
+            {"label": "sppo budget 25%", "round": 0, "copy_overlap": ov(0.010, 0.008, nbytes=3 << 20)},
+            {"label": "sppo budget 25%", "round": 1, "copy_overlap": ov(0.020, 0.018, nbytes=3 << 20)},
+            {"label": "sppo budget 90%", "round": 0, "copy_overlap": ov(0.0, 0.0, n=0)}]
+    lines = bench.hidden_copy(runs)
+    assert lines[0].startswith("hidden copy")
+    assert len(lines) == 3  # one per offloading row; eager has none
+    assert "85.0%" in lines[1] and "15.0 ms" in lines[1] and "3 MiB moved" in lines[1]  # medians over rounds
+    assert "no copies" in lines[2]
+    assert bench.hidden_copy(runs[:1]) == []

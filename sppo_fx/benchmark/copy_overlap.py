@@ -29,6 +29,7 @@ import json
 import os
 import tempfile
 
+COPY_OVERLAP_ENV = "SPPO_BENCH_COPY_OVERLAP"  # "1": benchmark workers profile one extra step
 COPY_RANGES = ("sppo::offload_write", "sppo::offload_read")
 WAIT_RANGE = "sppo::copy_wait"
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
