@@ -102,13 +102,14 @@ def hidden_copy(runs: list[dict]) -> list[str]:
         return []
     lines = ["hidden copy (one extra step under torch.profiler after the timed ones; "
              "copy time hidden behind compute / all copy time):"]
+    width = max(len(label) for label in by_label)
     for label, ovs in by_label.items():
         fracs = [o["hidden_fraction"] for o in ovs if o["hidden_fraction"] is not None]
         copy_ms = statistics.median(o["copy_s"] for o in ovs) * 1e3
         hidden = f"{statistics.median(fracs):6.1%}" if fracs else "   n/a (no copies)"
         moved = [o["bytes"] for o in ovs if o.get("bytes")]
         mib = f", {statistics.median(moved) / 2**20:.0f} MiB moved" if moved else ""
-        lines.append(f"  {label:<24} hidden {hidden}  of {copy_ms:8.1f} ms copy "
+        lines.append(f"  {label:<{width}} hidden {hidden}  of {copy_ms:8.1f} ms copy "
                      f"({ovs[0]['copies']} copies{mib})")
     return lines
 
