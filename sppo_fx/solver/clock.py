@@ -12,12 +12,13 @@
                  compute's cores, at the page cache's rate up to its size, the disk's beyond)
     overheads    per chunk: ops x `op_seconds` (Python, dispatch, launch of each op of the
                  chunk's forward and backward); per file the disk tier writes or reads:
-                 `file_seconds`; per streamed skeleton block: two files and its attention
-                 call's ops
+                 `file_seconds`; per streamed skeleton block: its attention call's ops; per
+                 stream of a streamed skeleton (chunk, pass): one read task at `file_seconds`
 
 A streamed skeleton re-reads every earlier block per chunk (forward and backward): its bytes
-and its files grow as N^2 over N chunks, which these terms charge, so the solver trades it
-against keeping the skeleton.
+and its blocks' attention calls grow as N^2 over N chunks, which these terms charge, so the
+solver trades it against keeping the skeleton. Its files do not: the blocks sit in one file,
+and each chunk's pass reads its prefix in one in-order task (`runtime.skeleton_log`).
 
 Figures of zero (built-in GPU profiles, profiles stored before these fields) leave their
 term out: what the clock cannot know it does not guess.
