@@ -130,3 +130,20 @@ def test_a_model_that_takes_its_mask_as_data_is_not_specialised():
 def test_ones_inputs_option_is_checked(bad):
     with pytest.raises(SppoError, match="ones_inputs="):
         sppo_fx.compile(torch.nn.Linear(2, 2), ones_inputs=bad)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_all_ones_mask_is_exact_and_padding_refused_on_every_rank():
+    import json
+    import os
+    import sys
+
+    from sppo_fx.runtime.launch import run_local_ranks
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    worker = os.path.join(root, "tests", "ones_mask_parallel_worker.py")
+    results = run_local_ranks([sys.executable, worker], 2, 300.0, cwd=root)
+    for rank, (rc, out, err, _s) in enumerate(results):
+        assert rc == 0, f"rank {rank}:\n{err[-4000:]}"
+        cell = json.loads(out.strip().splitlines()[-1])
+        assert cell["loss_ok"] and not cell["bad"] and cell["guarded"], (rank, cell)
+        assert "attention_mask was all ones" in cell["refused"] and cell["grads_none"], (rank, cell)
