@@ -29,9 +29,9 @@ from sppo_fx.codegen import CompiledProgram, compile_chunk_program
 from sppo_fx.errors import SppoError
 from sppo_fx.log import get_logger, phase
 from sppo_fx.options import (CompileOptions, check_call_options, check_inputs, check_options, load_plan,
-                             seq_len_of)
+                             ones_inputs_option, seq_len_of)
 from sppo_fx.passes import transform
-from sppo_fx.passes.mask_values import check_seq_limit
+from sppo_fx.passes.mask_values import check_ones_inputs, check_seq_limit
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan, even_plan
@@ -141,6 +141,7 @@ class SppoCompiled:
         if any(n != seq_len for n in lengths):
             raise SppoError(f"inputs disagree on the sequence length: {lengths}")
         check_seq_limit(entry.graph, seq_len)  # masks proven only up to a length (positions in a narrow dtype)
+        check_ones_inputs(entry.graph, tensors)  # inputs the program assumes all ones (passes/ones_inputs.py)
         plan = self._budget_plan(entry, seq_len) if self.options.budget is not None else self.plan_for(seq_len, entry.cost)
         if self.options.verify and not entry.verified:
             self._verify(model, entry, (args, kwargs, target), plan)
@@ -254,6 +255,7 @@ class SppoCompiled:
             for a, k, t in mbs:
                 call_args = (model, *a) if self._fn is not None else a
                 loss = self(*call_args, target=t, **k)
+                check_ones_inputs(self._last.graph, (args, kwargs, target))  # all micro-batches, before a backward
                 (loss / o.microbatches).backward()
                 total = total + loss.detach()
             return total / o.microbatches
@@ -275,9 +277,11 @@ class SppoCompiled:
             state = build_pipeline(model, self._fn, o, mbs, self, mesh, factory, self.store,
                                    check_values=first)
             check_seq_limit(state.graph, seq_len)  # masks proven only up to a length (narrow dtypes)
+            check_ones_inputs(state.graph, (args, kwargs, target))  # before verify's step
             if o.verify:
                 self._verify_pipeline(model, (args, kwargs, target), mesh, state, factory)
             self._cache[key] = state
+        check_ones_inputs(state.graph, (args, kwargs, target))  # every step: inputs assumed all ones
         self.plan = state.plan
         self.pipeline = state
         return pipeline_step(state, mbs)
@@ -345,7 +349,7 @@ class SppoCompiled:
             with phase("capturing the model (torch.export)", log):
                 cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
             with phase("graph passes (masks, sequence analysis, chunk program)", log):
-                graph, program = transform(cap, log=self.options.log_passes)
+                graph, program = transform(cap, log=self.options.log_passes, ones_inputs=self.options.ones_inputs)
         except SppoError as e:
             if seq_dim == 1:
                 raise
@@ -435,7 +439,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
             split_points=None, timeout_s=60.0, partition="balanced", offload=None, offload_dir=None,
             recompute="auto", skeleton="auto", seq_parallel=1, data_parallel=1, mesh=None, plan=None,
-            verify=False):
+            verify=False, ones_inputs=("attention_mask",)):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -491,6 +495,9 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             gradient differs, and by how much (also across pipeline and sequence-parallel
             ranks, which agree on the verdict). Costs one eager and one chunked step over
             that prefix (sppo_fx/verify.py).
+        ones_inputs: call keywords of inputs (default `attention_mask`) that, all ones in the
+            first call of a model refused with them as data, become constant ones, checked
+            at every call (a padded one raises SppoError); () turns this off.
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -540,7 +547,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
                              split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s),
                              partition=partition, offload=offload, offload_dir=offload_dir, recompute=recompute,
                              skeleton=skeleton, seq_parallel=int(seq_parallel), data_parallel=int(data_parallel),
-                             mesh=mesh, plan=plan, verify=verify)
+                             mesh=mesh, plan=plan, verify=verify, ones_inputs=ones_inputs_option(ones_inputs))
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

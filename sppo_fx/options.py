@@ -56,6 +56,10 @@ class CompileOptions:
         verify: at the first call, compare the transformed program with the unmodified
             model on a prefix of the batch and raise at the first differing gradient
             (sppo_fx/verify.py).
+        ones_inputs: inputs, by call keyword, that may be treated as a constant of ones when
+            they are all ones in the first call and the program with them as data is refused
+            (Hugging Face's `attention_mask` of unpadded batches); every later call is then
+            checked to pass ones (sppo_fx/passes/ones_inputs.py). () turns this off.
     """
 
     loss_fn: Callable | None = None
@@ -80,6 +84,7 @@ class CompileOptions:
     mesh: object = None
     plan: Plan | None = None
     verify: bool = False
+    ones_inputs: tuple[str, ...] = ("attention_mask",)
 
     @property
     def layout(self):
@@ -92,6 +97,19 @@ class CompileOptions:
 
 
 SCHEDULES = ("1f1b", "gpipe")
+
+
+def ones_inputs_option(value) -> tuple[str, ...]:
+    """`ones_inputs` as a tuple of input names (a single name or an iterable of names)."""
+    names = (value,) if isinstance(value, str) else value
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) and n for n in names):
+        raise SppoError(f"ones_inputs={value!r}: give the call keywords of inputs that may be all ones, "
+                        "e.g. ('attention_mask',), or () to turn this off")
+    return names
 
 
 def load_plan(plan) -> Plan:

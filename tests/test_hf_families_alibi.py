@@ -47,12 +47,14 @@ def test_bloom_with_heads_not_a_power_of_two_matches_eager():
     assert len(_slopes(compiled)[0]) == 6
 
 
-def test_bloom_with_an_attention_mask_input_is_refused_by_name():
+def test_bloom_with_a_padding_attention_mask_is_refused_by_name():
     model = _bloom()
     ids = _ids()
+    padded = torch.ones_like(ids)
+    padded[0, :5] = 0  # an all-ones mask is accepted (tests/test_ones_inputs.py); padding is not
     compiled = sppo_fx.compile(model, chunks=CHUNKS, compile=False)
     with pytest.raises(SppoError, match="(cumsum|attention_mask|input)"):
-        compiled(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+        compiled(input_ids=ids, labels=ids, attention_mask=padded)
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -2,6 +2,7 @@
 
     captured graph
       -> strip_asserts            drop export's metadata asserts, dead code
+      -> specialise_ones          (only when the program is refused) an all-ones input -> constant ones, guarded
       -> recognize_cumsum_positions  cumsum of ones along the sequence -> arange(T) + 1
       -> recognize_causal_masks   SDPA(mask built from positions) -> causal / sliding-window attention
       -> recognize_explicit_attention  softmax(masked q@kᵀ·s) @ v, mask proved causal
@@ -40,6 +41,7 @@ from sppo_fx.log import enable, get_logger
 from sppo_fx.passes.causal_mask import recognize_causal_masks
 from sppo_fx.passes.explicit_attention import recognize_explicit_attention
 from sppo_fx.passes.positions import recognize_cumsum_positions
+from sppo_fx.passes.ones_inputs import ONES_INPUTS, ones_candidates, specialise_ones
 from sppo_fx.passes.loss_epilogue import LOSSES, additive_reduction, build_epilogue, loss_reduction
 from sppo_fx.passes.moe_dispatch import prove_dispatch
 from sppo_fx.passes.seq_chunk import ChunkedProgram, ReductionSite, _Builder, build_size, chunk_program
@@ -69,17 +71,30 @@ def analyse_seqdims(gm: fx.GraphModule, captured: Captured) -> fx.GraphModule:
     return gm
 
 
-def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModule, ChunkedProgram]:
+def transform(captured: Captured, log: bool | None = None,
+              ones_inputs=ONES_INPUTS) -> tuple[fx.GraphModule, ChunkedProgram]:
     """Run the passes on a capture.
 
     Args:
         captured: the output of `capture.capture`.
         log: show each graph before and after its pass (default: env SPPO_FX_LOG_PASSES=1;
             the "sppo_fx.passes" logger at DEBUG shows them too).
+        ones_inputs: inputs (by call keyword) that, when the program with them as data is
+            refused and their example value is all ones, become constant ones guarded at
+            every call (`passes/ones_inputs.py`).
 
     Returns:
         (the analysed captured graph, the ChunkedProgram).
     """
+    try:
+        return _transform(captured, log, [])
+    except SppoError:
+        if not (guards := ones_candidates(captured, ones_inputs)):
+            raise
+    return _transform(captured, log, guards)
+
+
+def _transform(captured: Captured, log: bool | None, ones: list) -> tuple[fx.GraphModule, ChunkedProgram]:
     _show_passes(log)
     gm = captured.copy_graph()
     if log_debug := _log.isEnabledFor(logging.DEBUG):
@@ -87,6 +102,7 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
     params = set(captured.param_fqns)
     steps = [
         ("strip_asserts", lambda g: strip_asserts(g)),
+        ("specialise_ones", lambda g: specialise_ones(g, captured, ones) if ones else g),
         ("recognize_cumsum_positions", lambda g: recognize_cumsum_positions(g, captured.seq, captured.param_value)),
         ("recognize_causal_masks",
          lambda g: recognize_causal_masks(g, captured.seq, params, captured.param_value)),
@@ -114,7 +130,7 @@ __all__ = ["transform", "transform_stages", "batch_epilogue", "strip_asserts", "
 
 
 def transform_stages(captured: Captured, num_stages: int, split_points: list[str] | None = None,
-                     log: bool | None = None):
+                     log: bool | None = None, ones_inputs=ONES_INPUTS):
     """`transform`, then split into pipeline stages and chunk each stage.
 
     Args:
@@ -128,7 +144,7 @@ def transform_stages(captured: Captured, num_stages: int, split_points: list[str
         (the analysed captured graph, [StageGraph], [ChunkedProgram per stage]).
     """
     from sppo_fx.passes.stage_split import split_stages
-    gm, whole = transform(captured, log=log)
+    gm, whole = transform(captured, log=log, ones_inputs=ones_inputs)
     _refuse_carried(whole, captured)
     params = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in captured.param_fqns]
     stages = split_stages(gm, captured.seq, params, captured.input_names, num_stages, split_points)

@@ -95,7 +95,8 @@ def _range_along(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
         sizes = [_size(g, x, d) for d in range(nd)]
         rng = g.call_function(aten.arange.default, (sizes[dim],), {"dtype": torch.int64, "device": out.device})
         plus = g.call_function(aten.add.Tensor, (rng, 1))
-        cast = g.call_function(aten._to_copy.default, (plus,), {"dtype": out.dtype})
+        # int64 sums (an int64 mask's) need no cast, which the ALiBi proof would refuse (passes/alibi_values.py)
+        cast = plus if out.dtype == torch.int64 else g.call_function(aten._to_copy.default, (plus,), {"dtype": out.dtype})
         viewed = g.call_function(aten.view.default, (cast, [s if d == dim else 1 for d, s in enumerate(sizes)]))
         full = g.call_function(aten.expand.default, (viewed, sizes))
         dense = g.call_function(aten.clone.default, (full,), {"memory_format": torch.contiguous_format})

@@ -107,7 +107,8 @@ def build_pipeline(model, fn, options, microbatches: list[tuple], planner, mesh:
     num_stages = layout.pp
     args, kwargs, target = microbatches[0]
     cap = capture(model, fn, options.loss_fn, args, kwargs, target, options.seq_dim)
-    graph, stages, programs = transform_stages(cap, num_stages, options.split_points, log=options.log_passes)
+    graph, stages, programs = transform_stages(cap, num_stages, options.split_points, log=options.log_passes,
+                                               ones_inputs=options.ones_inputs)
     if layout.dp > 1:
         bind_global_batch(model, fn, options, microbatches[0], programs[-1], graph, layout.dp)
     program = programs[stage]
