@@ -161,10 +161,12 @@ def test_gpt_oss_sinks_are_refused_by_name_under_seq_parallel():
 
 
 @pytest.mark.slow
-def test_gpt_oss_with_aux_loss_under_inductor_and_a_budget():
-    # 1 sliding layer (window 8 < T) with sinks and the aux loss; the solver picks the chunks
+def test_gpt_oss_with_aux_loss_under_inductor_in_chunks():
+    # 1 sliding layer (window 8 < T = 16) with sinks and the aux loss, 2 chunks under Inductor.
+    # Not a budget: at this size a budget lets the solver keep one chunk (the peak is mostly
+    # parameters), and a compile=False probe's memory model does not predict Inductor's.
     model = build(layers=1, output_router_logits=True)
-    ids = _ids()
-    compiled = sppo_fx.compile(model, budget="64MiB")
+    ids = _ids()[:, :16]
+    compiled = sppo_fx.compile(model, chunks=2)
     assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
                          lambda: compiled(input_ids=ids, labels=ids))
