@@ -204,8 +204,9 @@ def test_a_sum_over_the_sequence_feeding_the_loss_is_accumulated():
 
 @pytest.mark.slow
 def test_mixtral_with_aux_loss_under_inductor_and_a_budget():
-    model = build("mixtral", layers=2, output_router_logits=True)
-    ids = _ids()
+    # 1 layer and T = 16 keep Inductor's compile short (this took 591 s with 2 layers, T = 32)
+    model = build("mixtral", layers=1, output_router_logits=True)
+    ids = _ids()[:, :16]
     compiled = sppo_fx.compile(model, budget="64MiB")  # the solver picks the chunks
     assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
                          lambda: compiled(input_ids=ids, labels=ids))
