@@ -213,6 +213,19 @@ def test_mixtral_with_aux_loss_under_inductor_and_a_budget():
 
 
 @pytest.mark.slow
+def test_mixtral_with_aux_loss_under_a_budget_that_splits_the_sequence():
+    # at T = 256 a 1 MiB budget is below the one-chunk peak (about 1.8 MB), so the solver
+    # must split the sequence (and recompute): the dispatch proof and the aux loss's
+    # accumulation are then exercised across budget-chosen, unequal chunks
+    model = build("mixtral", layers=1, output_router_logits=True)
+    ids = torch.randint(0, VOCAB, (BATCH, 256), generator=torch.Generator().manual_seed(3))
+    compiled = sppo_fx.compile(model, budget="1MiB", compile=False)
+    assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
+                         lambda: compiled(input_ids=ids, labels=ids))
+    assert len(compiled.plan.chunk_lengths) > 1, compiled.plan
+
+
+@pytest.mark.slow
 def test_mixtral_with_aux_loss_under_sequence_pipeline_and_data_parallelism():
     from sppo_fx.runtime.launch import run_local_ranks
     worker = os.path.join(ROOT, "tests", "moe_parallel_worker.py")
