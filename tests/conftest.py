@@ -31,10 +31,10 @@ def offload_program(program, skeleton="keep"):
     """`program`'s chunk program with offload nodes run eagerly (with skeleton="offload":
     streamed from the skeleton), as the orchestrator compiles it for a store; built once
     per program and mode (the key holds the chunk graph, so its id is not reused)."""
-    from sppo_fx.orchestrate import chunk_program
+    from sppo_fx.orchestrate import compile_chunk
     key = (id(program.chunk), skeleton)
     if key not in _OFFLOAD_PROGRAMS:
-        _OFFLOAD_PROGRAMS[key] = (program.chunk, chunk_program(program, skeleton=skeleton))
+        _OFFLOAD_PROGRAMS[key] = (program.chunk, compile_chunk(program, skeleton=skeleton))
     return _OFFLOAD_PROGRAMS[key][1]
 
 

@@ -65,8 +65,8 @@ def _tiny():
 
 
 def test_the_runtime_refuses_a_store_without_a_compiled_offload_program(tmp_path):
-    """It would have to run the memory passes itself: the orchestrator's chunk_program does."""
-    from sppo_fx.orchestrate import chunk_program, prepare
+    """It would have to run the memory passes itself: the orchestrator's compile_chunk does."""
+    from sppo_fx.orchestrate import compile_chunk, prepare
     model, x, y = _tiny()
     entry = prepare(model, None, compile_options(compile=False), ((x, y), {}, None), [x, y])
     params, plan = entry.params(), Plan(32, [16, 16])
@@ -75,7 +75,7 @@ def test_the_runtime_refuses_a_store_without_a_compiled_offload_program(tmp_path
             with pytest.raises(SppoError, match="compiled with offload=True"):
                 chunked_loss(entry.program, params, [x, y], plan, store=store, skeleton=skeleton)
             assert all(p.grad is None for p in model.parameters())
-        loss = chunked_loss(entry.program, params, [x, y], plan, chunk_program(entry.program), store=store)
+        loss = chunked_loss(entry.program, params, [x, y], plan, compile_chunk(entry.program), store=store)
         loss.backward()
     ref_model, _, _ = _tiny()
     ref = ref_model(x, y)

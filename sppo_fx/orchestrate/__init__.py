@@ -7,7 +7,7 @@ The options were checked before (`options.compile_options`). The product
 (`runtime.product`) is plain data the runtime only runs. docs/architecture.md, section 1.
 """
 from sppo_fx.orchestrate.ranks import RankBuild, build_rank
-from sppo_fx.orchestrate.stage import Entry, chunk_plan, chunk_program, plan_call, prepare, stage_product
+from sppo_fx.orchestrate.stage import Entry, chunk_plan, compile_chunk, plan_call, prepare, stage_product
 
-__all__ = ["Entry", "RankBuild", "build_rank", "chunk_plan", "chunk_program", "plan_call", "prepare",
+__all__ = ["Entry", "RankBuild", "build_rank", "chunk_plan", "compile_chunk", "plan_call", "prepare",
            "stage_product"]

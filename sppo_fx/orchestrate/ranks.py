@@ -20,7 +20,7 @@ from sppo_fx.capture import Captured, capture, flatten_call
 from sppo_fx.errors import SppoError
 from sppo_fx.log import get_logger, phase
 from sppo_fx.options import CompileOptions
-from sppo_fx.orchestrate.stage import chunk_plan, chunk_program, needs_chunk_program
+from sppo_fx.orchestrate.stage import chunk_plan, compile_chunk, needs_chunk_program
 from sppo_fx.ops.seq_parallel import register_group
 from sppo_fx.passes import batch_epilogue, transform_stages
 from sppo_fx.passes.mask_values import check_seq_limit
@@ -120,17 +120,17 @@ def build_rank(model, fn, options: CompileOptions, microbatches: list[tuple], me
         # every chunk but the last of each micro-batch (the first to run backward) on every stage
         schedule = with_offload(schedule, {(s, m, i) for s in range(num_stages) for m in range(len(microbatches))
                                            for i in range(plan.num_chunks - 1)})
+    recompute = options.recompute_for(plan)
+    chunk_fn = None  # None: the chunk GraphModule runs op by op under eager autograd
+    if needs_chunk_program(options, recompute, "keep"):  # lazy: Inductor compiles at the first chunk
+        chunk_fn = compile_chunk(program, backend="inductor" if options.compile else "eager",
+                                 offload=options.offload is not None, recompute=recompute)
     shapes = [[list(t.shape) for t in flatten_call(*mb)[0] if isinstance(t, torch.Tensor)] for mb in microbatches]
     named = list(cap.module.named_parameters(remove_duplicate=False))  # names as in cap.param_fqns
     graphs = [graph] + [g for prog in programs for g in (prog.prologue, prog.chunk, prog.epilogue) if g is not None]
     agreed = fingerprint(graphs, named, plan, schedule, shapes, shared=list(shared_ids), check_values=check_values)
     agreed["layout"] = str(layout)
     check_agreement(agreed, mesh.rank, layout.world, options.timeout_s)
-    recompute = options.recompute_for(plan)
-    chunk_fn = None
-    if needs_chunk_program(options, recompute, "keep"):
-        chunk_fn = chunk_program(program, backend="inductor" if options.compile else "eager",
-                                 offload=options.offload is not None, recompute=recompute)
     product = RankProduct(program, params, plan, chunk_fn, "keep", quota, schedule, shared)
     return RankBuild(cap, stages, programs, product, prediction, graph)
 

@@ -147,12 +147,13 @@ def needs_chunk_program(options: CompileOptions, recompute: str, skeleton: str) 
     return options.compile or options.offload is not None or recompute != "none" or skeleton != "keep"
 
 
-def chunk_program(program: ChunkedProgram, *, backend: str = "eager", offload: bool = True, recompute: str = "none",
-                  skeleton: str = "keep", eager_empty_prefix: bool = False) -> CompiledProgram:
+def compile_chunk(program: ChunkedProgram, *, backend: str = "eager", offload: bool = True, recompute: str = "none",
+                  skeleton: str = "keep", eager_empty_prefix: bool = True) -> CompiledProgram:
     """Codegen of the chunk program: with skeleton="offload" first the skeleton pass
     (`passes.skeleton.stream_kv_skeleton`: the K/V prefix streamed from the skeleton), then
     the memory passes (offload nodes with `offload`, `recompute` regions, in-graph gradient
-    accumulation) and Inductor (backend="inductor") or AOTAutograd's graphs run eagerly."""
+    accumulation) and Inductor (backend="inductor") or AOTAutograd's graphs run eagerly.
+    Lazy: Inductor compiles at the program's first call."""
     gm = program.chunk
     if skeleton == "offload":
         from sppo_fx.passes.skeleton import stream_kv_skeleton
@@ -170,7 +171,7 @@ def stage_program(entry: Entry, options: CompileOptions, recompute: str, skeleto
     key = (recompute, skeleton, chunks > 1)
     prog = entry.programs.get(key)
     if prog is None:
-        prog = chunk_program(entry.program, backend="inductor" if options.compile else "eager",
+        prog = compile_chunk(entry.program, backend="inductor" if options.compile else "eager",
                              offload=options.offload is not None, recompute=recompute, skeleton=skeleton,
                              eager_empty_prefix=chunks > 1)
         entry.programs[key] = prog

@@ -78,7 +78,7 @@ class StageRunner:
         chunk_fn: what runs the chunk program (the GraphModule, or a
             `codegen.CompiledProgram`). With a store it must be a CompiledProgram built with
             offload=True (its graphs carry the offload/wait nodes:
-            `sppo_fx.orchestrate.chunk_program(program)`).
+            `sppo_fx.orchestrate.compile_chunk(program)`).
         needs_grad: build autograd graphs (False for evaluation).
         store: the ActivationStore that offloaded chunks' saved activations go to.
         offload: which (micro-batch, chunk) pairs offload their saved activations (level 2:
@@ -92,7 +92,7 @@ class StageRunner:
             program as its prefix inputs) or "offload" (the store's tier, streamed into the
             attention one prefix chunk at a time; needs `store` and a chunk program from
             `passes.skeleton.stream_kv_skeleton`:
-            `sppo_fx.orchestrate.chunk_program(program, skeleton="offload")`).
+            `sppo_fx.orchestrate.compile_chunk(program, skeleton="offload")`).
         copy_window_bytes: bound on offload copies in flight (`runtime.memory.CopyWindow`);
             default: the plan's `copy_window_bytes` (None there: unbounded).
         sp_rank: with a sequence-parallel program (`program.seq_parallel` = S > 1), this
@@ -129,10 +129,10 @@ class StageRunner:
             if not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload and _streams_skeleton(chunk_fn)):
                 # offload=True also keeps Inductor from reusing the buffers sppo.kv_out hands over
                 raise SppoError("skeleton='offload' needs a chunk program compiled with offload=True from "
-                                "the streamed chunk: sppo_fx.orchestrate.chunk_program(program, skeleton='offload')")
+                                "the streamed chunk: sppo_fx.orchestrate.compile_chunk(program, skeleton='offload')")
         elif store is not None and needs_grad and not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload):
             raise SppoError("offloading needs a chunk program compiled with offload=True "
-                            "(sppo_fx.orchestrate.chunk_program(program, offload=True))")
+                            "(sppo_fx.orchestrate.compile_chunk(program, offload=True))")
         self.chunk_fn = chunk_fn if chunk_fn is not None else program.chunk
         # CompiledPrograms' graphs call sppo.* ops that need a ChunkMemory per chunk
         self.memory_graphs = isinstance(self.chunk_fn, CompiledProgram)
