@@ -14,7 +14,7 @@ import sppo_fx
 from sppo_fx import SppoError
 from sppo_fx.capture import capture
 from sppo_fx.passes import transform_stages
-from sppo_fx.passes.seq_chunk import compile_chunk
+from sppo_fx.passes.seq_chunk import chunk_program
 from sppo_fx.passes.seqdim import analyse
 
 from conftest import assert_matches_eager

@@ -7,7 +7,7 @@ import torch
 from sppo_fx import SppoError
 from sppo_fx.attention import prefix_causal_attention
 from sppo_fx.passes.causal_mask import recognize_causal_masks
-from sppo_fx.passes.seq_chunk import compile_chunk
+from sppo_fx.passes.seq_chunk import chunk_program
 from sppo_fx.passes.seqdim import analyse
 
 aten = torch.ops.aten
