@@ -101,7 +101,26 @@ def test_the_product_carries_what_the_plan_needs(tmp_path):
     assert stage_product(entry, offload, Plan(32, [8, 24])).chunk_fn is q.chunk_fn
 
 
+@pytest.mark.slow  # a memory model's AOTAutograd traces
+def test_a_saved_plan_with_offload_ratios_runs_exactly(tmp_path):
+    """plan= with offload ratios and no budget: the quota comes from the memory model of the
+    plan's policy (it used to look up a model only a budget builds: KeyError)."""
+    model, x, y = _tiny()
+    plan = Plan(32, [16, 16], offload_ratios=[1.0, 0.0], tier="disk")
+    compiled = sppo_fx.compile(model, plan=plan, offload="disk", offload_dir=str(tmp_path), compile=False)
+    loss = compiled(x, y)
+    loss.backward()
+    ref_model, _, _ = _tiny()
+    ref = ref_model(x, y)
+    ref.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert compiled._last.memory.keys() == {"none"}
+
+
 # ---- one budget solve ------------------------------------------------------------------
+@pytest.mark.slow  # a memory model's AOTAutograd traces
 def test_the_api_solves_the_budget_through_the_one_solve(monkeypatch):
     import sppo_fx.orchestrate.stage as stage
     calls = []

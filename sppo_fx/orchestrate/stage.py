@@ -182,8 +182,9 @@ def stage_product(entry: Entry, options: CompileOptions, plan: Plan) -> StagePro
     """What `runtime.local.chunked_loss` runs for `plan`."""
     skeleton, recompute = options.skeleton_for(plan), options.recompute_for(plan)
     quota = None
-    if plan.offload_ratios is not None:
-        quota = offload_quota(plan, entry.memory[plan.recompute], skeleton)
+    if plan.offload_ratios is not None:  # a budget's plan, or a saved plan (`plan=`) with ratios
+        (memory,) = memory_models(entry, (recompute,))
+        quota = offload_quota(plan, memory, skeleton)
     chunk_fn = None  # None: the chunk GraphModule runs op by op under eager autograd
     if needs_chunk_program(options, recompute, skeleton):
         chunk_fn = stage_program(entry, options, recompute, skeleton, plan.num_chunks)
