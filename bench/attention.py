@@ -12,10 +12,18 @@ with ``is_causal=True``, which that kernel aligns lower-right when ``c != p + c`
 ``_efficient_attention_forward`` with the lower-right mask type), because
 ``causal_lower_right`` dispatch ignores ``sdpa_kernel`` backend selection.
 
-Usage (one command; needs a CUDA GPU, otherwise prints a note and exits 0)::
+Methods on CUDA: SDPA flash (the reference: same queries and keys, one call), the flash
+split (`ops/attention/flash_split.py`: prefix and causal square as two flash calls merged by
+log-sum-exp, what `prefix_causal_attention` runs), the Triton kernel, SDPA efficient.
+"speed vs sdpa flash" is SDPA flash's fwd+bwd time over the method's (goal for the split:
+>= 0.9x). On CPU (``--device cpu``, or no GPU) it compares the split on ATen's CPU kernels
+with SDPA over a materialised mask, at small sizes: a check of the code, not of speed.
+
+Usage::
 
     python bench/attention.py
     python bench/attention.py --prefixes 0,8192 --iters 5
+    python bench/attention.py --device cpu --chunk 64 --prefixes 0,128 --heads 4 --head-dim 32
 """
 import argparse
 import math
@@ -39,11 +47,23 @@ def _parse(argv):
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: tiny-size check of the code paths (also taken when CUDA is missing)")
     return ap.parse_args(argv)
 
 
-def _time_ms(fn, warmup, iters):
-    """Median milliseconds of fn() over iters runs (CUDA events)."""
+def _time_ms(fn, warmup, iters, device="cuda"):
+    """Median milliseconds of fn() over iters runs (CUDA events; a wall clock on CPU)."""
+    if device == "cpu":
+        import time
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return sorted(times)[len(times) // 2]
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -62,9 +82,10 @@ def _time_ms(fn, warmup, iters):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    if not torch.cuda.is_available():
-        print("bench/attention.py: CUDA is required (no CUDA device available); nothing to benchmark.")
-        return 0
+    on_cpu = args.device == "cpu" or not torch.cuda.is_available()
+    if on_cpu and args.device != "cpu":
+        print("bench/attention.py: no CUDA device; running the CPU variant (flash split on ATen's CPU "
+              "kernels vs SDPA with a mask), which checks the code, not GPU speed.")
     try:
         from tabulate import tabulate
     except ImportError:  # pragma: no cover
@@ -73,14 +94,18 @@ def main(argv=None) -> int:
     from torch.nn.attention.bias import CausalVariant
 
     from sppo_fx.ops import chunk_attention
+    from sppo_fx.ops.attention.flash_split import flash_split_attention
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     b, h, d, c = args.batch, args.heads, args.head_dim, args.chunk
     h_kv = args.kv_heads or h
     scale = 1.0 / math.sqrt(d)
     prefixes = [int(x) for x in args.prefixes.split(",") if x.strip()]
-    dev = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(dev)}  torch {torch.__version__}")
+    dev = torch.device("cpu" if on_cpu else "cuda")
+    if on_cpu:
+        dtype = torch.float32 if args.dtype == "fp16" else dtype  # CPU flash: no fp16 speed
+    name = "CPU" if on_cpu else torch.cuda.get_device_name(dev)
+    print(f"device: {name}  torch {torch.__version__}")
     print(f"b={b} h={h} h_kv={h_kv} d={d} chunk={c} dtype={args.dtype} "
           f"(median of {args.iters} runs after {args.warmup} warm-up)")
 
@@ -105,8 +130,24 @@ def main(argv=None) -> int:
         )[0]
         return out.transpose(1, 2)
 
-    methods = [("chunk_attention (triton)", triton_fn), ("sdpa flash", flash_fn),
-               ("sdpa efficient", efficient_fn)]
+    def split_fn(q, k, v):  # what prefix_causal_attention runs on CUDA: no concatenation
+        p = k.shape[2] - q.shape[2]
+        return flash_split_attention(q, k.narrow(2, 0, p), k.narrow(2, p, c), v.narrow(2, 0, p), v.narrow(2, p, c),
+                                     scale=scale)
+
+    def masked_fn(q, k, v):
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(q.shape[2], k.shape[2])._materialize(q.device)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                enable_gqa=h_kv != h)
+
+    # the first method is the reference of the max|diff| column; "vs flash" compares fwd+bwd
+    # time with SDPA flash over the same queries and keys (full causal over prefix + chunk)
+    if on_cpu:
+        methods = [("sdpa (mask)", masked_fn), ("flash split", split_fn)]
+    else:
+        methods = [("sdpa flash", flash_fn), ("flash split", split_fn), ("chunk_attention (triton)", triton_fn),
+                   ("sdpa efficient", efficient_fn)]
     rows = []
     for p in prefixes:
         n = p + c
@@ -118,16 +159,14 @@ def main(argv=None) -> int:
         pairs = c * p + c * (c + 1) / 2
         fwd_flops = 4.0 * pairs * d * b * h
         bwd_flops = 2.5 * fwd_flops
-        baseline = None
+        baseline = ref_ms = None
         for name, fn in methods:
             try:
                 with torch.no_grad():
                     out_check = fn(q, k, v).float()
-                if name.startswith("chunk_attention"):
+                if baseline is None:
                     baseline = out_check
                     diff = "0"
-                elif baseline is None:
-                    diff = "n/a"
                 else:
                     diff = f"{(out_check - baseline).abs().max().item():.2e}"
                 del out_check
@@ -140,25 +179,27 @@ def main(argv=None) -> int:
                 def bwd():
                     torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
-                fwd_ms = _time_ms(fwd, args.warmup, args.iters)
-                bwd_ms = _time_ms(bwd, args.warmup, args.iters)
+                fwd_ms = _time_ms(fwd, args.warmup, args.iters, dev.type)
+                bwd_ms = _time_ms(bwd, args.warmup, args.iters, dev.type)
+                if ref_ms is None:
+                    ref_ms = fwd_ms + bwd_ms
                 del out
                 rows.append([
                     p, name,
                     f"{fwd_ms:.3f}", f"{fwd_flops / fwd_ms / 1e9:.1f}",
                     f"{bwd_ms:.3f}", f"{bwd_flops / bwd_ms / 1e9:.1f}",
                     f"{(fwd_flops + bwd_flops) / (fwd_ms + bwd_ms) / 1e9:.1f}",
-                    diff,
+                    f"{ref_ms / (fwd_ms + bwd_ms):.2f}x", diff,
                 ])
             except Exception as exc:  # keep benchmarking the other methods
                 msg = str(exc).strip().splitlines()[0][:80] if str(exc).strip() else type(exc).__name__
-                rows.append([p, name, "error", "", "", "", "", msg])
+                rows.append([p, name, "error", "", "", "", "", "", msg])
             torch.cuda.empty_cache()
         del q, k, v, do
         torch.cuda.empty_cache()
 
     headers = ["prefix", "method", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s",
-               "fwd+bwd TFLOP/s", "max|out - triton|"]
+               "fwd+bwd TFLOP/s", f"speed vs {methods[0][0]}", f"max|out - {methods[0][0]}|"]
     print(tabulate(rows, headers=headers, tablefmt="github"))
     return 0
 

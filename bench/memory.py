@@ -16,6 +16,7 @@ activations; at 4096 activations dominate, as they do for the long sequences SPP
 Configurations (--configs):
     eager          the model as written, full sequence
     checkpoint     torch.utils.checkpoint around every block (use_reentrant=False)
+    compile        torch.compile(model) (the second baseline: "vs torch.compile" lines)
     compile-amb    torch.compile with torch._functorch.config.activation_memory_budget = 0.5
     sppo           sppo_fx, FLOPs-balanced chunks (--chunks), no budget
     sppo-N%        sppo_fx with budget = N% of eager's measured peak extra memory (disk tier
@@ -33,6 +34,11 @@ Tolerance for "measured ≤ budget": the budget covers what the plan predicts; R
 what no plan controls — malloc's retained free chunks below the mmap threshold, the disk
 tier's thread stacks and I/O buffers, Python objects of the autograd graph. The benchmark
 states the tolerance it checks: 10% of the budget + 16 MiB.
+
+Hidden copy: each row that offloads runs one more step under torch.profiler after its timed
+steps (so the timings are not perturbed); the lines under the table give the store's copy
+time in that step and the fraction of it that overlapped compute
+(`sppo_fx/benchmark/copy_overlap.py`, docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -46,15 +52,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from sppo_fx.benchmark import BenchConfig, add_ratios, run_grid  # noqa: E402
+from sppo_fx.benchmark.copy_overlap import COPY_OVERLAP_ENV  # noqa: E402
 from sppo_fx.benchmark.report import commit, format_table, machine  # noqa: E402
 from sppo_fx.errors import SppoError  # noqa: E402
 
-CONFIGS = ["eager", "checkpoint", "compile-amb", "sppo", "sppo-50%", "sppo-25%"]
+CONFIGS = ["eager", "compile", "checkpoint", "compile-amb", "sppo", "sppo-50%", "sppo-25%"]
 
 
 def config_for(name: str, base: BenchConfig, args) -> BenchConfig:
     """The engine's row for one of this script's configuration names."""
-    if name in ("eager", "checkpoint"):
+    if name in ("eager", "checkpoint", "compile"):
         return dataclasses.replace(base, kind=name)
     if name == "compile-amb":
         return dataclasses.replace(base, kind="compile-amb", amb=0.5)
@@ -66,6 +73,45 @@ def config_for(name: str, base: BenchConfig, args) -> BenchConfig:
         return dataclasses.replace(lib, budget=pct, offload=args.tier,
                                    skeleton="offload" if head == "sppo-skel" else "auto")
     raise SppoError(f"--configs {name!r}: use eager, checkpoint, compile-amb, sppo, sppo-N% or sppo-skel-N%")
+
+
+def vs_compile(rows: list[dict]) -> list[str]:
+    """Each row's median step time and peak over torch.compile(model)'s, when that row ran."""
+    import statistics
+    ok = [r for r in rows if "error" not in r]
+    base = next((r for r in ok if r["config"]["kind"] == "compile"), None)
+    if base is None:
+        return []
+    t0, m0 = statistics.median(base["step_by_round"]), statistics.median(base["peak_by_round"])
+    lines = ["vs torch.compile(model) (median step time, peak extra memory):"]
+    for r in ok:
+        t, m = statistics.median(r["step_by_round"]), statistics.median(r["peak_by_round"])
+        lines.append(f"  {r['label']:<24} time {t / t0:5.2f}x  memory {m / max(m0, 1):5.2f}x")
+    return lines
+
+
+def hidden_copy(runs: list[dict]) -> list[str]:
+    """The "hidden copy" lines of the rows that offload: the store's copy time in the extra
+    profiled step and the fraction of it that overlapped compute (median over rounds)."""
+    import statistics
+    by_label: dict[str, list[dict]] = {}
+    for r in runs:
+        if r.get("copy_overlap") is not None:
+            by_label.setdefault(r["label"], []).append(r["copy_overlap"])
+    if not by_label:
+        return []
+    lines = ["hidden copy (one extra step under torch.profiler after the timed ones; "
+             "copy time hidden behind compute / all copy time):"]
+    width = max(len(label) for label in by_label)
+    for label, ovs in by_label.items():
+        fracs = [o["hidden_fraction"] for o in ovs if o["hidden_fraction"] is not None]
+        copy_ms = statistics.median(o["copy_s"] for o in ovs) * 1e3
+        hidden = f"{statistics.median(fracs):6.1%}" if fracs else "   n/a (no copies)"
+        moved = [o["bytes"] for o in ovs if o.get("bytes")]
+        mib = f", {statistics.median(moved) / 2**20:.0f} MiB moved" if moved else ""
+        lines.append(f"  {label:<{width}} hidden {hidden}  of {copy_ms:8.1f} ms copy "
+                     f"({ovs[0]['copies']} copies{mib})")
+    return lines
 
 
 def main() -> int:
@@ -92,6 +138,7 @@ def main() -> int:
     args = p.parse_args()
     base = BenchConfig(model=args.model, size=args.size, seq_len=args.seq_len, steps=args.steps,
                        dtype=args.dtype, device=args.device, offload_dir=args.offload_dir)
+    os.environ[COPY_OVERLAP_ENV] = "1"  # the workers of offloading rows profile one extra step
     try:
         configs = [config_for(name, base, args) for name in args.configs.split(",")]
         result = run_grid(configs, rounds=args.rounds, timeout=args.worker_timeout,
@@ -109,6 +156,8 @@ def main() -> int:
     print(f"\nsppo_fx memory benchmark: {args.model}-{args.size}, T={args.seq_len}, batch 1, {args.dtype}, "
           f"{where}; budgets are fractions of eager's measured peak extra memory")
     print(format_table(result["rows"], base_row, notes))
+    for line in vs_compile(result["rows"]) + hidden_copy(result["runs"]):
+        print(line)
     for r in result["rows"]:
         if r.get("plan"):
             print(f"  {r['label']}: plan {r['plan']}")

@@ -51,9 +51,11 @@ def _model_and_data(args):
 
 
 def worker(args):
-    from sppo_fx.runtime.distributed import init_from_env
+    from sppo_fx.runtime.distributed import init_from_env, rank_device
     rank, world = init_from_env(120)
     model, (x, y) = _model_and_data(args)
+    device = rank_device()  # cuda:LOCAL_RANK under NCCL
+    model, x, y = model.to(device), x.to(device), y.to(device)
     chunks = None if args.chunks == "auto" else int(args.chunks)
     compiled = sppo_fx.compile(model, chunks=chunks, stages=world, microbatches=args.microbatches,
                                schedule=args.schedule, compile=False, timeout_s=300)

@@ -1,6 +1,6 @@
 """Train a reference model with sppo_fx's sequence pipeline on torch.distributed.
 
-Single node, 2 stages (gloo on CPU, NCCL on GPU):
+Single node, 2 stages (gloo on CPU; NCCL on GPU, each rank on cuda:LOCAL_RANK):
     torchrun --nproc-per-node 2 examples/train_pipeline.py --model llama --chunks 4 --microbatches 2
 
 Multi-node (run on every node, same --master-addr):
@@ -28,7 +28,7 @@ import torch
 
 import sppo_fx
 from sppo_fx.models import build
-from sppo_fx.runtime.distributed import init_from_env
+from sppo_fx.runtime.distributed import init_from_env, rank_device
 
 
 def _inject_failure(at: str, how: str):
@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     y = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
     if args.ignore_every:
         y.view(-1)[::args.ignore_every] = -1 if args.model == "gpt" else -100  # the models' ignore_index
+    device = rank_device()  # cuda:LOCAL_RANK with CUDA (NCCL), else the CPU (gloo)
+    model, x, y = model.to(device), x.to(device), y.to(device)
     layout = {}
     if args.plan:
         from sppo_fx.plan import load_layout_plan
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
     layout = dict(stages=world // (sp * dp), seq_parallel=sp, data_parallel=dp)
     if args.device_mesh:
         from torch.distributed.device_mesh import init_device_mesh
-        layout = dict(mesh=init_device_mesh("cpu", (world // (sp * dp), dp, sp), mesh_dim_names=("pp", "dp", "sp")))
+        layout = dict(mesh=init_device_mesh(device.type, (world // (sp * dp), dp, sp), mesh_dim_names=("pp", "dp", "sp")))
     compiled = sppo_fx.compile(model, chunks=chunks, chunk_lengths=lengths, microbatches=args.microbatches,
                                schedule=args.schedule, compile=args.compile, timeout_s=args.timeout,
                                offload=args.offload, budget=args.budget, plan=plan if args.plan else None, **layout)
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
                         prm.grad = None
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
-        grads = {n: prm.grad for n, prm in model.named_parameters() if prm.grad is not None}
+        grads = {n: prm.grad.cpu() for n, prm in model.named_parameters() if prm.grad is not None}
         torch.save({"loss": loss, "grads": grads, "blocks": [s.blocks for s in compiled.pipeline.stages],
                     "chunk_lengths": compiled.plan.chunk_lengths, "offload_ratios": compiled.plan.offload_ratios,
                     "store": compiled.store.stats() if compiled.store is not None else None,

@@ -7,12 +7,13 @@
 # Steps (each under its own `timeout`, each logged to $OUT/NN_name.log and echoed; a failing
 # step never stops the script):
 #   1 env         nvidia-smi -L, torch / triton / CUDA versions, optional pytest plugins
-#   2 test_cuda   tests/test_cuda.py (Triton kernels, host-tier store, offload, Inductor)
-#   3 attention   bench/attention.py on a few prefixes (Triton kernel vs SDPA)
+#   2 test_cuda   tests/test_cuda.py (Triton kernels, host-tier store, offload, Inductor,
+#                 the flash split, a world-size-1 NCCL group)
+#   3 attention   bench/attention.py on a few prefixes (flash split and Triton vs SDPA flash)
 #   4 memory      bench/memory.py --device cuda --dtype bf16, llama-bench, T=16384
 #                 (per-configuration lines as they finish; results also in $OUT/memory.json)
 # Then $OUT/summary.txt: step, exit code (124 = timed out), seconds.
-# Worst case (every step at its timeout) ~8 min (470 s); expected ~6 min.
+# Worst case (every step at its timeout) 7 min (415 s); expected ~6 min.
 # Invoke as `bash scripts/gpu_check.sh` if the copy may have lost the executable bit.
 set -u
 : "${OUT:?set OUT to the folder the logs go to}"
@@ -97,20 +98,20 @@ PER_TEST=()
 has pytest_timeout && PER_TEST=(--timeout 150)
 
 # ---------------------------------------------------------------------------------------
-run_step 01_env 20 bash -c env_info
+run_step 01_env 15 bash -c env_info
 
 # Four pytest workers (with xdist), each with an Inductor compile pool of 4 processes and 4
 # CPU threads, on the machine's 16 cores.
 TORCHINDUCTOR_COMPILE_THREADS=4 OMP_NUM_THREADS=4 \
-run_step 02_test_cuda 170 python3 -m pytest tests/test_cuda.py tests/test_bf16.py::test_bf16_on_cuda_within_twice_eager_bf16_error -v -rs --durations=15 "${PAR[@]}" "${PER_TEST[@]}"
+run_step 02_test_cuda 150 python3 -m pytest tests/test_cuda.py tests/test_bf16.py::test_bf16_on_cuda_within_twice_eager_bf16_error -v -rs --durations=15 "${PAR[@]}" "${PER_TEST[@]}"
 
 [ -n "${SKIP_ATTENTION:-}" ] || \
-run_step 03_attention 40 python3 bench/attention.py --prefixes 0,8192,32768 --warmup 2 --iters 5
+run_step 03_attention 45 python3 bench/attention.py --prefixes 0,8192,32768 --warmup 2 --iters 5 --kv-heads 8
 
 # eager first (the budgets are fractions of its peak), then the sppo rows, baselines last
-run_step 04_memory 260 python3 bench/memory.py --device cuda --dtype bf16 --size bench --seq-len 16384 --steps 3 \
-    --configs "${MEMORY_CONFIGS:-eager,sppo-50%,sppo-25%,sppo-skel-25%,sppo,checkpoint,compile-amb}" \
-    --worker-timeout 100 --json "$OUT/memory.json"
+run_step 04_memory 205 python3 bench/memory.py --device cuda --dtype bf16 --size bench --seq-len 16384 --steps 3 \
+    --configs "${MEMORY_CONFIGS:-eager,sppo-25%,sppo,compile,sppo-50%,checkpoint,compile-amb}" \
+    --worker-timeout 60 --json "$OUT/memory.json"
 
 # (the CPU suite under this torch runs on the CPU machines; no step here)
 

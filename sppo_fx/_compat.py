@@ -35,3 +35,33 @@ def symbolic_dispatch():
     except ImportError:  # pragma: no cover - present in every supported torch
         return contextlib.nullcontext()
     return enable_python_dispatcher()
+
+
+def flash_attention_ops():
+    """(forward, backward) of ATen's CUDA flash attention, the pair that returns and takes
+    the log-sum-exp, or None where this torch lacks either."""
+    aten = torch.ops.aten
+    if not (hasattr(aten, "_scaled_dot_product_flash_attention")
+            and hasattr(aten, "_scaled_dot_product_flash_attention_backward")):
+        return None  # pragma: no cover - present in every supported torch
+    return aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward
+
+
+def flash_sdp_enabled() -> bool:
+    """Whether the user left torch's flash SDPA backend on (torch.backends.cuda)."""
+    check = getattr(torch.backends.cuda, "flash_sdp_enabled", None)
+    return True if check is None else bool(check())
+
+
+_CAPABILITY: dict = {}
+
+
+def cuda_capability(device):
+    """(major, minor) of a CUDA device, cached per device index; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
+    return _CAPABILITY[index]

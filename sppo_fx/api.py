@@ -29,6 +29,7 @@ from sppo_fx.errors import SppoError
 from sppo_fx.log import get_logger, phase
 from sppo_fx.options import CompileOptions, check_inputs, compile_options, seq_len_of
 from sppo_fx.orchestrate import Entry, chunk_plan, plan_call, prepare, stage_product
+from sppo_fx.passes.mask_values import check_ones_inputs
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.local import chunked_loss
@@ -87,7 +88,7 @@ class SppoCompiled:
         seq_len = lengths[0]
         if any(n != seq_len for n in lengths):
             raise SppoError(f"inputs disagree on the sequence length: {lengths}")
-        plan, self.profile = plan_call(entry, self.options, seq_len, self.profile)
+        plan, self.profile = plan_call(entry, self.options, seq_len, tensors, self.profile)
         if self.options.verify and not entry.verified:
             self._verify(model, entry, (args, kwargs, target), plan)
             entry.verified = True
@@ -147,6 +148,7 @@ class SppoCompiled:
             for a, k, t in mbs:
                 call_args = (model, *a) if self._fn is not None else a
                 loss = self(*call_args, target=t, **k)
+                check_ones_inputs(self._last.graph, (args, kwargs, target))  # all micro-batches, before a backward
                 (loss / o.microbatches).backward()
                 total = total + loss.detach()
             return total / o.microbatches
@@ -163,9 +165,11 @@ class SppoCompiled:
             first = not any(isinstance(k, tuple) and k[0] == "pipeline" for k in self._cache)
             state = build_rank(model, self._fn, o, mbs, mesh, check_values=first)
             state.executor = start(state.product, mesh, self.store, o.timeout_s)
+            check_ones_inputs(state.graph, (args, kwargs, target))  # before verify's step
             if o.verify:
                 self._verify_pipeline(model, (args, kwargs, target), mesh, state)
             self._cache[key] = state
+        check_ones_inputs(state.graph, (args, kwargs, target))  # every step: inputs assumed all ones
         self.plan = state.plan
         self.pipeline = state
         return pipeline_step(state.executor, mbs)
@@ -273,7 +277,7 @@ class SppoCompiled:
         (memory,) = memory_models(e, (o.recompute_for(self.plan),))
         self.profile = device_profile(e, o, self.profile)
         return predict_plan(e.cost, memory, self.plan, offload=o.offload, skeleton=o.skeleton_for(self.plan),
-                            profile=self.profile, device=e.device())
+                            profile=self.profile, device=e.device(), compiled=o.compile)
 
     @property
     def mesh(self):
@@ -303,7 +307,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
             split_points=None, timeout_s=60.0, partition="balanced", offload=None, offload_dir=None,
             recompute="auto", skeleton="auto", seq_parallel=1, data_parallel=1, mesh=None, plan=None,
-            verify=False):
+            verify=False, ones_inputs=("attention_mask",)):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -359,6 +363,9 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             gradient differs, and by how much (also across pipeline and sequence-parallel
             ranks, which agree on the verdict). Costs one eager and one chunked step over
             that prefix (sppo_fx/verify.py).
+        ones_inputs: call keywords of inputs (default `attention_mask`) that, all ones in the
+            first call of a model refused with them as data, become constant ones, checked
+            at every call (a padded one raises SppoError); () turns this off.
 
     Returns:
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
@@ -369,7 +376,8 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
                               microbatches=microbatches, schedule=schedule, split_points=split_points,
                               timeout_s=timeout_s, partition=partition, offload=offload, offload_dir=offload_dir,
                               recompute=recompute, skeleton=skeleton, seq_parallel=seq_parallel,
-                              data_parallel=data_parallel, mesh=mesh, plan=plan, verify=verify)
+                              data_parallel=data_parallel, mesh=mesh, plan=plan, verify=verify,
+                              ones_inputs=ones_inputs)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

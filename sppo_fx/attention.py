@@ -5,7 +5,10 @@ k, v [b, h_kv, c, d]; query row i sees keys 0..p+i (lower-right aligned, as
 `torch.nn.attention.bias.causal_lower_right`). The chunk pass emits
 `prefix_causal_attention(q, k_prefix, k, v_prefix, v)`:
 
-* on a GPU it runs the Triton chunk-attention kernel on the concatenated K/V, as an opaque
+* on CUDA, where torch's flash kernels can run it (`ops.attention.flash_split`: half
+  precision, head dim a multiple of 8 up to 256, sm_80+), the prefix and the causal square
+  run as two flash calls merged by log-sum-exp, saving the prefix as the view it is;
+* on other GPU inputs it runs the Triton chunk-attention kernel on the concatenated K/V, as an opaque
   op (`ops.chunk_attention.chunk_attention_opaque`: Inductor calls it like SDPA) with
   SDPA's output layout;
 * on CPU it runs ATen's CPU flash-attention kernels twice, over the prefix (every query
@@ -39,6 +42,11 @@ _FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _triton_ready() -> bool:
     from sppo_fx.ops.chunk_attention import HAS_TRITON
     return HAS_TRITON
+
+
+def _flash_split_reason(q, k, v):
+    from sppo_fx.ops.attention.flash_split import flash_split_supported
+    return flash_split_supported(q, k, v)
 
 
 def _cpu_parts(k_prefix, k, v_prefix, v):
@@ -79,7 +87,7 @@ def _autocast_like_sdpa(*tensors):
 
 
 def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=False, window=None,
-                            doc_pos=None):
+                            doc_pos=None, softcap=None, sinks=None, alibi=None):
     """Lower-right causal attention of a chunk over its K/V prefix and its own K/V.
 
     Args:
@@ -92,17 +100,27 @@ def prefix_causal_attention(q, k_prefix, k, v_prefix, v, scale=None, enable_gqa=
             or None for plain causal attention.
         doc_pos: [b or 1, c] integer, each query's position inside its packed document
             (`document_positions`), or None when the sequence is one document.
+        softcap, sinks, alibi: score variants (logit soft-cap, [h] sink logits, h ALiBi
+            slopes), run by `ops.attention.variants` (see docs/models-attention.md).
 
     Returns:
         [b, h, c, d] attention output.
     """
     q, k_prefix, k, v_prefix, v = _autocast_like_sdpa(q, k_prefix, k, v_prefix, v)
+    if softcap is not None or sinks is not None or alibi is not None:
+        from sppo_fx.ops.attention.variants import variant_prefix_attention
+        if doc_pos is not None:
+            raise ValueError("soft-capping, sinks or ALiBi inside packed documents are not supported")
+        return variant_prefix_attention(q, k_prefix, k, v_prefix, v, scale, softcap, sinks, alibi, window)
     if doc_pos is not None:
         k_all, v_all = torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2)
         mask = _document_mask(doc_pos, q.shape[-2], k_prefix.shape[-2], window)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     if window is not None:
         return _windowed_prefix_attention(q, k_prefix, k, v_prefix, v, scale, enable_gqa, window)
+    if q.device.type == "cuda" and _flash_split_reason(q, k, v) is None:
+        from sppo_fx.ops.attention.flash_split import flash_split_attention
+        return flash_split_attention(q, k_prefix, k, v_prefix, v, scale)
     if q.device.type != "cpu" and _triton_ready():
         from sppo_fx.ops.chunk_attention import chunk_attention_opaque
         return chunk_attention_opaque(q, torch.cat([k_prefix, k], -2), torch.cat([v_prefix, v], -2), scale=scale)
@@ -147,19 +165,27 @@ def _windowed_prefix_attention(q, k_prefix, k, v_prefix, v, scale, enable_gqa, w
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def windowed_causal_attention(q, k, v, window, scale=None, enable_gqa=False):
+def windowed_causal_attention(q, k, v, window, scale=None, enable_gqa=False, softcap=None, sinks=None,
+                              alibi=None):
     """Causal attention where each query sees its `window` most recent keys (itself
     included): what `passes.causal_mask` turns a proven sliding-window SDPA into, in the
     captured graph (the chunk pass then makes it `prefix_causal_attention(..., window=W)`).
+    It also carries proven score variants (`passes.explicit_attention`), then with window
+    None for plain causal attention.
 
     Args:
         q: [b, h, T, d]; k, v: [b, h_kv, T, d].
-        window: W >= 1.
+        window: W >= 1, or None (only with a variant).
         scale, enable_gqa: as for SDPA.
+        softcap, sinks, alibi: as for `prefix_causal_attention`.
 
     Returns:
         [b, h, T, d].
     """
+    if softcap is not None or sinks is not None or alibi is not None:
+        from sppo_fx.ops.attention.variants import variant_prefix_attention
+        empty = k[..., :0, :]
+        return variant_prefix_attention(q, empty, k, v[..., :0, :], v, scale, softcap, sinks, alibi, window)
     t = q.shape[-2]
     mask = _band_mask(t, t, 0, window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

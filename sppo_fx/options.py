@@ -56,6 +56,10 @@ class CompileOptions:
         verify: at the first call, compare the transformed program with the unmodified
             model on a prefix of the batch and raise at the first differing gradient
             (sppo_fx/verify.py).
+        ones_inputs: inputs, by call keyword, that may be treated as a constant of ones when
+            they are all ones in the first call and the program with them as data is refused
+            (Hugging Face's `attention_mask` of unpadded batches); every later call is then
+            checked to pass ones (sppo_fx/passes/ones_inputs.py). () turns this off.
     """
 
     loss_fn: Callable | None = None
@@ -80,6 +84,7 @@ class CompileOptions:
     mesh: object = None
     plan: Plan | None = None
     verify: bool = False
+    ones_inputs: tuple[str, ...] = ("attention_mask",)
 
     @property
     def layout(self):
@@ -102,6 +107,19 @@ class CompileOptions:
 
 
 SCHEDULES = ("1f1b", "gpipe")
+
+
+def ones_inputs_option(value) -> tuple[str, ...]:
+    """`ones_inputs` as a tuple of input names (a single name or an iterable of names)."""
+    names = (value,) if isinstance(value, str) else value
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) and n for n in names):
+        raise SppoError(f"ones_inputs={value!r}: give the call keywords of inputs that may be all ones, "
+                        "e.g. ('attention_mask',), or () to turn this off")
+    return names
 
 
 def load_plan(plan) -> Plan:
@@ -141,7 +159,7 @@ def compile_options(*, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1,
                     compile=True, stages=1, microbatches=1, schedule="1f1b", split_points=None,  # noqa: A002
                     timeout_s=60.0, partition="balanced", offload=None, offload_dir=None, recompute="auto",
                     skeleton="auto", seq_parallel=1, data_parallel=1, mesh=None, plan=None,
-                    verify=False) -> CompileOptions:
+                    verify=False, ones_inputs=("attention_mask",)) -> CompileOptions:
     """The checked `CompileOptions` of `sppo_fx.compile`'s arguments: every option, alone and
     with the others, is checked here, before any capture, solve or compile; an option no
     call could use raises SppoError naming it and what to give."""
@@ -191,7 +209,8 @@ def compile_options(*, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1,
                           schedule=schedule, split_points=list(split_points) if split_points else None,
                           timeout_s=float(timeout_s), partition=partition, offload=offload, offload_dir=offload_dir,
                           recompute=recompute, skeleton=skeleton, seq_parallel=int(seq_parallel),
-                          data_parallel=int(data_parallel), mesh=mesh, plan=plan, verify=verify)
+                          data_parallel=int(data_parallel), mesh=mesh, plan=plan, verify=verify,
+                          ones_inputs=ones_inputs_option(ones_inputs))
 
 
 def check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir):

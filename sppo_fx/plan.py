@@ -1,4 +1,6 @@
-"""The Plan: how one sequence is cut into chunks (and, later, where activations live).
+"""The Plan: how one sequence is cut into chunks, what each chunk offloads and to which
+tier, the recompute policy, where the K/V skeleton lives, and the solver's predicted peak
+and step time.
 
 A Plan is plain data: it prints as a table and round-trips through JSON.
 """
@@ -35,6 +37,8 @@ class Plan:
         sp_splits: with sequence parallelism, per chunk the tokens each SP rank takes, in
             rank order (multiplexed partitioning gives chunks their own splits); None:
             every chunk splits as evenly as possible (`sp_split`).
+        step_terms: the predicted step's terms in seconds (`solver.clock.StepTerms`:
+            compute, attention, exposed_copy, overhead); None: not predicted by terms.
     """
 
     seq_len: int
@@ -48,6 +52,7 @@ class Plan:
     skeleton: str | None = None
     copy_window_bytes: int | None = None
     sp_splits: list[list[int]] | None = None
+    step_terms: dict | None = None
 
     def __post_init__(self):
         self.chunk_lengths = [int(c) for c in self.chunk_lengths]
@@ -112,7 +117,10 @@ class Plan:
         if self.peak_bytes is not None:
             extra.append(f"predicted peak {self.peak_bytes / 2**20:.1f} MiB")
         if self.step_seconds is not None:
-            extra.append(f"predicted step {self.step_seconds:.3g} s")
+            terms = self.step_terms
+            extra.append(f"predicted step {self.step_seconds:.3g} s" + (
+                f" (compute {terms['compute']:.3g} s, attention {terms['attention']:.3g} s, exposed copy "
+                f"{terms['exposed_copy']:.3g} s, overheads {terms['overhead']:.3g} s)" if terms else ""))
         if self.recompute is not None:
             extra.append(f"recompute {self.recompute}")
         if self.copy_window_bytes is not None:

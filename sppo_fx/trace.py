@@ -17,25 +17,19 @@ disk 3, then links and receives from 4 in the order first seen (sorted by name),
 traces of the same plan line up.
 
 :func:`simulated_trace` turns a :class:`~sppo_fx.schedule.simulator.SimResult` into such a
-trace; :class:`TraceRecorder` records measured wall-clock spans of a real run in the same
-format (``with rec.span("0F0.1", resource="compute"): ...``), and :func:`merge_traces`
-combines the traces of several ranks. :func:`write_trace` writes the JSON,
+trace (the `sppo-fx trace` command); :func:`write_trace` writes the JSON,
 :func:`summarize_trace` gives a plain-text per-(rank, resource) summary and
 :func:`render_text` an ASCII Gantt chart (for machines without a browser).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import threading
-import time
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 from tabulate import tabulate
 
-__all__ = ["TID_BASE", "simulated_trace", "write_trace", "load_trace", "TraceRecorder",
-           "merge_traces", "timeline_trace", "summarize_trace", "render_text", "validate_trace"]
+__all__ = ["TID_BASE", "simulated_trace", "write_trace", "summarize_trace", "render_text"]
 
 #: Fixed thread ids of the named resources; other resources get ids from 4 upwards.
 TID_BASE = {"compute": 0, "d2h": 1, "h2d": 2, "disk": 3}
@@ -127,190 +121,6 @@ def write_trace(path: str | os.PathLike, trace: dict) -> str:
     with open(path, "w") as f:
         json.dump(trace, f)
     return path
-
-
-def load_trace(path: str | os.PathLike) -> dict:
-    """Read a trace written by :func:`write_trace`."""
-    with open(path) as f:
-        return json.load(f)
-
-
-class TraceRecorder:
-    """Records wall-clock spans of one rank in the trace format.
-
-    Timestamps are wall-clock (``time.time``) microseconds, measured with
-    ``time.perf_counter`` relative to an anchor taken at construction, so traces of several
-    processes on one machine line up when merged.
-
-    Example::
-
-        rec = TraceRecorder(rank)
-        with rec.span("0F0.1", resource="compute", cat="forward"):
-            run_forward()
-        write_trace("rank0.json", rec.to_trace())
-
-    Args:
-        rank: the pid of every event (the pipeline rank).
-        process_name: name shown for the process (default "rank <rank>").
-    """
-
-    def __init__(self, rank: int = 0, process_name: Optional[str] = None):
-        self.rank = int(rank)
-        self.process_name = process_name or f"rank {self.rank}"
-        self._wall0 = time.time()
-        self._perf0 = time.perf_counter()
-        self._events: list[dict] = []
-        self._tids: dict[str, int] = dict(TID_BASE)
-        self._lock = threading.Lock()
-
-    def now_us(self) -> float:
-        """The current time on this recorder's clock, in µs since the epoch."""
-        return (self._wall0 + (time.perf_counter() - self._perf0)) * _US
-
-    def _tid(self, resource: str) -> int:
-        if resource not in self._tids:
-            self._tids[resource] = max(self._tids.values()) + 1
-        return self._tids[resource]
-
-    def add(self, name: str, start_us: float, dur_us: float, resource: str = "compute",
-            cat: str = "", **args) -> dict:
-        """Record a span measured elsewhere (e.g. from CUDA events).
-
-        Args:
-            name: event name (an action such as ``"0F0.1"``).
-            start_us: start on this recorder's clock (see :meth:`now_us`), µs.
-            dur_us: duration, µs (negative values are clamped to 0).
-            resource: thread the span belongs to.
-            cat: category ("forward", "backward", "send", ...).
-            **args: extra JSON-serialisable details.
-
-        Returns:
-            The event dict.
-        """
-        with self._lock:
-            e = {"name": str(name), "cat": str(cat or resource), "ph": "X", "ts": float(start_us),
-                 "dur": max(float(dur_us), 0.0), "pid": self.rank, "tid": self._tid(resource),
-                 "args": dict(args, resource=resource)}
-            self._events.append(e)
-        return e
-
-    @contextlib.contextmanager
-    def span(self, name: str, resource: str = "compute", cat: str = "", **args) -> Iterator[dict]:
-        """Context manager that records the wall-clock time of its body.
-
-        Args:
-            name / resource / cat / **args: as for :meth:`add`.
-
-        Yields:
-            A dict of extra args that the body may fill in (added to the event's args).
-        """
-        extra: dict = {}
-        t0 = self.now_us()
-        try:
-            yield extra
-        finally:
-            t1 = self.now_us()
-            self.add(name, t0, t1 - t0, resource, cat, **args, **extra)
-
-    @property
-    def events(self) -> list[dict]:
-        """The recorded ``ph: "X"`` events (copies)."""
-        with self._lock:
-            return [dict(e) for e in self._events]
-
-    def to_trace(self) -> dict:
-        """The trace of what was recorded (metadata names the process and its threads)."""
-        with self._lock:
-            evs = [dict(e) for e in self._events]
-            used = {e["tid"] for e in evs}
-            threads = {(self.rank, tid): res for res, tid in self._tids.items() if tid in used}
-        evs.sort(key=lambda d: d["ts"])
-        return {"traceEvents": _metadata({self.rank: self.process_name}, threads) + evs,
-                "displayTimeUnit": "ms", "otherData": {"source": "sppo_fx TraceRecorder (measured)"}}
-
-
-def timeline_trace(timeline: Iterable[tuple[str, float, float]], rank: int = 0) -> dict:
-    """A trace from ``PipelineExecutor.timeline`` entries ``(action, start_s, end_s)``.
-
-    ``wait:<action>`` entries go to a "wait" thread; F/B to "compute"; sends and receives
-    to "comm"; anything else to "other".
-    """
-    rec = TraceRecorder(rank)
-    for name, start, end in timeline:
-        if name.startswith("wait:"):
-            res, cat = "wait", "stall"
-        else:
-            body = name.lstrip("0123456789")
-            if body.startswith(("SEND", "RECV")):
-                res, cat = "comm", "send" if body.startswith("SEND") else "recv"
-            elif body.startswith("F"):
-                res, cat = "compute", "forward"
-            elif body.startswith("B"):
-                res, cat = "compute", "backward"
-            else:
-                res, cat = "other", "other"
-        rec.add(name, start * _US, (end - start) * _US, res, cat)
-    return rec.to_trace()
-
-
-def merge_traces(traces: Iterable[dict], *, rebase: bool = True) -> dict:
-    """Combine traces (e.g. one per rank) into one.
-
-    Args:
-        traces: trace dicts.
-        rebase: shift every timestamp so that the earliest event is at 0.
-
-    Returns:
-        One trace; duplicate metadata events are dropped, ``otherData`` entries are merged
-        (later traces win on conflicts).
-    """
-    meta, seen, evs, other = [], set(), [], {}
-    for tr in traces:
-        for e in tr.get("traceEvents", []):
-            if e.get("ph") == "M":
-                key = (e["name"], e["pid"], e.get("tid"), json.dumps(e.get("args"), sort_keys=True))
-                if key not in seen:
-                    seen.add(key)
-                    meta.append(dict(e))
-            else:
-                evs.append(dict(e))
-        other.update(tr.get("otherData", {}))
-    if rebase and evs:
-        t0 = min(e["ts"] for e in evs if "ts" in e)
-        for e in evs:
-            if "ts" in e:
-                e["ts"] -= t0
-    evs.sort(key=lambda d: (d.get("ts", 0.0), d.get("pid", 0), d.get("tid", 0)))
-    return {"traceEvents": meta + evs, "displayTimeUnit": "ms", "otherData": other}
-
-
-def validate_trace(trace: dict) -> None:
-    """Raise ValueError if ``trace`` is not a well-formed Chrome trace of the kinds used here."""
-    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise ValueError("a trace is a dict with a 'traceEvents' list")
-    named = set()
-    for e in trace["traceEvents"]:
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            named.add((e["pid"], e["tid"]))
-    for k, e in enumerate(trace["traceEvents"]):
-        ph = e.get("ph")
-        if ph == "X":
-            for key, typ in (("name", str), ("cat", str), ("ts", (int, float)), ("dur", (int, float)),
-                             ("pid", int), ("tid", int), ("args", dict)):
-                if not isinstance(e.get(key), typ) or isinstance(e.get(key), bool):
-                    raise ValueError(f"event {k}: {key!r} missing or of the wrong type: {e}")
-            if e["ts"] < 0 or e["dur"] < 0:
-                raise ValueError(f"event {k}: negative ts or dur: {e}")
-            if (e["pid"], e["tid"]) not in named:
-                raise ValueError(f"event {k}: thread (pid {e['pid']}, tid {e['tid']}) has no thread_name")
-        elif ph == "M":
-            if not isinstance(e.get("args"), dict) or "pid" not in e:
-                raise ValueError(f"metadata event {k} needs pid and args: {e}")
-        elif ph == "C":
-            if not isinstance(e.get("args"), dict) or e.get("ts", -1) < 0:
-                raise ValueError(f"counter event {k} needs ts >= 0 and args: {e}")
-        else:
-            raise ValueError(f"event {k}: unsupported ph {ph!r}")
 
 
 def summarize_trace(trace: dict, top: int = 3) -> str:

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
-import zlib
 
 import pytest
 
@@ -137,42 +135,6 @@ def test_pareto_front_on_hand_made_points():
     assert plot.pareto_front([plot.Point("a", 1.0, 1.0), plot.Point("b", 1.0, 1.0)]) == [0]
     text = plot.text_plot(HAND_POINTS)
     assert text.count("[Pareto front]") == 4 and "sppo slow" in text
-
-
-def _png_pixels(data: bytes) -> set:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, size = 8, b"", None
-    while pos < len(data):
-        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + n]
-        if kind == b"IHDR":
-            size = struct.unpack(">II", body[:8])
-            assert body[8:10] == b"\x08\x02"  # 8-bit RGB
-        elif kind == b"IDAT":
-            idat += body
-        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body)
-        pos += 12 + n
-    w, h = size
-    raw = zlib.decompress(idat)
-    colours = set()
-    for y in range(h):
-        line = raw[y * (3 * w + 1):(y + 1) * (3 * w + 1)]
-        assert line[0] == 0  # filter "none"
-        colours.update(bytes(line[1 + 3 * x:4 + 3 * x]) for x in range(w))
-    return colours
-
-
-def test_picture_files_mark_the_front(tmp_path):
-    written = plot.write_picture(HAND_POINTS, str(tmp_path / "pareto.png"), "hand-made")
-    assert written == [str(tmp_path / "pareto.png"), str(tmp_path / "pareto.svg")]
-    colours = _png_pixels((tmp_path / "pareto.png").read_bytes())
-    for name in ("bg", "front", "anchor", "library", "axis"):
-        assert bytes(plot.COLORS[name]) in colours, name
-    svg = (tmp_path / "pareto.svg").read_text()
-    front_labels = [seg.split('data-label="')[1].split('"')[0] for seg in svg.split('<g class="front"')[1:]]
-    assert sorted(front_labels) == sorted(["checkpoint", "sppo 25%", "sppo 50%", "compile"])
-    assert svg.count('<g class="point"') == 3 and 'class="front-line"' in svg
-    assert plot.write_picture(HAND_POINTS[:2], str(tmp_path / "only.svg")) == [str(tmp_path / "only.svg")]
 
 
 def test_records_round_trip_and_compare(tmp_path):

@@ -533,3 +533,103 @@ def test_inductor_with_host_offload_matches_eager_on_cuda():
     graphs = compiled.graphs
     fwd = [k for k in graphs if k.startswith("chunk.forward.")]
     assert fwd and any("sppo.offload" in graphs[k].code for k in fwd)
+
+
+# ---------------------------------------------------------------- flash split, NCCL (issue 28)
+
+
+def _split_inputs(c, p, h, h_kv, d=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(2, c, h, d, device=DEV, dtype=dtype, generator=g).transpose(1, 2)
+    k = torch.randn(2, c, h_kv, d, device=DEV, dtype=dtype, generator=g).transpose(1, 2)
+    v = torch.randn(2, c, h_kv, d, device=DEV, dtype=dtype, generator=g).transpose(1, 2)
+    kbuf = torch.randn(2, h_kv, p + 17, d, device=DEV, dtype=dtype, generator=g)
+    vbuf = torch.randn(2, h_kv, p + 17, d, device=DEV, dtype=dtype, generator=g)
+    return [t.requires_grad_() for t in (q, kbuf[:, :, :p], k, vbuf[:, :, :p], v)]
+
+
+def _split_reference(q, kp, k, vp, v):
+    groups = q.shape[1] // k.shape[1]
+    k_all = torch.cat([kp, k], -2).repeat_interleave(groups, 1)
+    v_all = torch.cat([vp, v], -2).repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=causal_lower_right(q.shape[-2], k_all.shape[-2]))
+
+
+@pytest.mark.parametrize("c,p,h,h_kv", [(128, 0, 4, 4), (77, 300, 8, 2), (64, 1000, 4, 1), (200, 33, 4, 4)])
+def test_flash_split_matches_sdpa_on_cuda(c, p, h, h_kv):
+    from sppo_fx.attention import prefix_causal_attention
+    from sppo_fx.ops.attention.flash_split import flash_split_supported
+    inputs = _split_inputs(c, p, h, h_kv)
+    assert flash_split_supported(inputs[0], inputs[2], inputs[4]) is None
+    out = prefix_causal_attention(*inputs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, dout)
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    ref = _split_reference(*ref_in)
+    ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_flash_split_routes_and_compiles_on_cuda():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from sppo_fx.attention import prefix_causal_attention
+
+    class Ops(TorchDispatchMode):
+        names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+    inputs = _split_inputs(96, 160, 8, 2)
+    with Ops() as ops:
+        eager = prefix_causal_attention(*inputs)
+    assert ops.names.count("aten._scaled_dot_product_flash_attention") == 2 and "aten.cat" not in ops.names
+    comp_in = [t.detach().requires_grad_() for t in inputs]
+    compiled = torch.compile(prefix_causal_attention, fullgraph=True)(*comp_in)
+    torch.testing.assert_close(compiled, eager, atol=1e-2, rtol=1e-2)
+    g_e = torch.autograd.grad(eager.float().sum(), inputs)
+    g_c = torch.autograd.grad(compiled.float().sum(), comp_in)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_triton_op_compiles_inside_inductor_on_cuda():
+    # the triton_op (not the opaque op) inside an Inductor graph: its float scale arrives
+    # fp64 there (tests/test_triton_fp64_args.py); fp32 inputs, which flash does not run
+    from sppo_fx.ops.chunk_attention import chunk_attention
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(1, 4, 64, 32, device=DEV, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 160, 32, device=DEV, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 160, 32, device=DEV, generator=g, requires_grad=True)
+    eager = chunk_attention(q, k, v)
+    compiled = torch.compile(chunk_attention, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(compiled.sum(), (q, k, v)), torch.autograd.grad(eager.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_nccl_world_size_one_collectives_on_device(monkeypatch):
+    import socket
+    import torch.distributed as dist
+    from sppo_fx.runtime import distributed
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    rank, world = distributed.init_from_env(60, backend="nccl")
+    try:
+        assert (rank, world) == (0, 1) and torch.cuda.current_device() == 0
+        assert distributed.collective_device() == torch.device("cuda", 0)
+        assert distributed._gather_json({"plan": "x"}, 1, 30.0) == [{"plan": "x"}]  # fingerprint exchange
+        t = torch.ones(3, device=distributed.collective_device())
+        dist.all_reduce(t)  # the replica sums and tied-gradient tensors are device tensors too
+        torch.cuda.synchronize()
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

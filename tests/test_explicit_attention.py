@@ -1,7 +1,7 @@
 """Explicit causal attention (nanoGPT's non-flash path, minGPT, HF eager) -> SDPA(is_causal=True).
 
 The rewrite happens only when the mask is proved causal for every sequence length; every
-other mask, attention dropout in training, and logit soft-capping are refused.
+other mask and attention dropout in training are refused (soft-capping: test_attention_variants.py).
 """
 from __future__ import annotations
 
@@ -130,7 +130,6 @@ def test_explicit_sliding_window_becomes_windowed_attention_and_matches_eager():
     ("corrupt_buffer", "not a lower-triangular or banded table"),
     ("off_by_one", "not the causal mask"),
     ("no_mask", "no mask"),
-    ("softcap", "soft-capping"),
 ])
 def test_non_causal_attention_refused(style, message):
     with pytest.raises(SppoError, match=message):

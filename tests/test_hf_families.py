@@ -29,7 +29,7 @@ FAMILIES = {
     "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(BASE, sliding_window=None)),
     "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(BASE, use_sliding_window=False)),
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(BASE, head_dim=8)),
-    # attention soft-capping off (refused when on, see below); final-logit soft-capping on
+    # attention soft-capping off here (on: tests/test_hf_families_attn.py); final-logit soft-capping on
     "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
                dict(BASE, head_dim=8, sliding_window=128, layer_types=FULL, attn_logit_softcapping=None)),
     "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
@@ -68,11 +68,7 @@ def _ids():
 
 
 # family -> (attention implementation, what the refusal names): refused with a clear error
-REFUSED = {
-    # its written-out attention builds the mask through `where` in a form that
-    # passes/causal_mask.py does not recognise as causal
-    ("falcon", "eager"): "aten.where.ScalarOther",
-}
+REFUSED = {}  # (Falcon's written-out attention is proven since issue 30: tests/test_falcon.py)
 
 
 @pytest.mark.parametrize("attn", [None, "eager"], ids=["default", "eager"])
@@ -89,13 +85,6 @@ def test_family_trains_exactly_in_chunks(family, attn):
     assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
                          lambda: compiled(input_ids=ids, labels=ids))
     assert len(compiled.program.attention) == 2  # both layers' attention chunked, none dropped
-
-
-def test_gemma2_attention_softcapping_refused():
-    model = build("gemma2", "eager", attn_logit_softcapping=50.0)
-    ids = _ids()
-    with pytest.raises(SppoError, match="soft-capping"):
-        sppo_fx.compile(model, chunks=CHUNKS, compile=False)(input_ids=ids, labels=ids)
 
 
 @pytest.mark.parametrize("family, window", [("mistral", {"sliding_window": 16}),

@@ -117,9 +117,12 @@ def test_hf_packed_with_its_default_cache_attends_across_documents_as_eager_does
 def test_hf_padding_attention_mask_is_refused():
     model = _hf("llama", "sdpa", layers=1)
     ids = torch.randint(0, 101, (2, 24))
+    padded = torch.ones_like(ids)
+    padded[1, :3] = 0  # an all-ones mask is accepted (tests/test_ones_inputs.py); padding is not
     compiled = sppo_fx.compile(model, chunks=4, compile=False)
     with pytest.raises(SppoError, match="depends on the input"):
-        compiled(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        compiled(input_ids=ids, labels=ids, attention_mask=padded, use_cache=False)
+    assert all(p.grad is None for p in model.parameters())
 
 
 # ---------------------------------------------------------------- a model's own document ids

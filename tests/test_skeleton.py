@@ -164,7 +164,8 @@ def test_offloaded_skeleton_matches_eager(kind, tmp_path):
                                offload_dir=str(tmp_path))
     loss = compiled(x, y)
     store = compiled.store
-    assert store.bytes_offloaded > 0  # skeleton blocks (and activations) are in files now
+    # the skeleton's blocks are in its one file in the store's dir now (runtime/skeleton_log.py)
+    assert any(name.startswith("skeleton_") for name in os.listdir(store.dir))
     loss.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
     for name, g in _grads(model).items():

@@ -1,8 +1,7 @@
-"""Chrome/Perfetto traces: simulated steps, recorded spans, merging, the `trace` command."""
+"""Chrome/Perfetto traces: simulated steps, their text forms, the `trace` command."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -10,8 +9,7 @@ from sppo_fx.cli import main
 from sppo_fx.schedule import build_schedule
 from sppo_fx.solver.profiles import DeviceProfile
 from sppo_fx.schedule.simulator import ActionCosts, simulate
-from sppo_fx.trace import (TID_BASE, TraceRecorder, load_trace, merge_traces, render_text, simulated_trace,
-                           summarize_trace, timeline_trace, validate_trace, write_trace)
+from sppo_fx.trace import TID_BASE, render_text, simulated_trace, summarize_trace, write_trace
 
 GB = 1e9
 REQUIRED_X = {"name": str, "cat": str, "ph": str, "ts": (int, float), "dur": (int, float), "pid": int,
@@ -28,7 +26,7 @@ def _sim():
 
 
 def _check_events(trace):
-    """The checks a trace viewer relies on, written out independently of validate_trace."""
+    """The checks a trace viewer relies on."""
     events = trace["traceEvents"]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -48,9 +46,7 @@ def test_simulated_trace_is_valid_chrome_json(tmp_path):
     trace = simulated_trace(sim, title="test")
     path = write_trace(tmp_path / "sub" / "trace.json", trace)
     loaded = json.loads(open(path).read())
-    assert loaded == load_trace(path)
     xs, names = _check_events(loaded)
-    validate_trace(loaded)
     # one X event per simulated event; resources map to the documented thread ids
     assert len(xs) == len(sim.events)
     assert {names[(0, TID_BASE[r])] for r in ("compute", "d2h", "h2d")} == {"compute", "d2h", "h2d"}
@@ -67,60 +63,6 @@ def test_simulated_trace_is_valid_chrome_json(tmp_path):
     assert "prediction" in loaded["otherData"]["source"]
 
 
-def test_recorder_measures_spans_in_the_same_format():
-    rec = TraceRecorder(rank=1)
-    with rec.span("1F0.0", resource="compute", cat="forward", chunk=0) as extra:
-        time.sleep(0.05)
-        extra["tokens"] = 128
-    with rec.span("1SEND_F0.0", resource="link->r2", cat="send"):
-        pass
-    trace = rec.to_trace()
-    xs, names = _check_events(trace)
-    validate_trace(trace)
-    f = next(e for e in xs if e["name"] == "1F0.0")
-    assert 0.045e6 <= f["dur"] < 2e6  # 50 ms sleep, measured
-    assert f["args"]["tokens"] == 128 and f["args"]["chunk"] == 0 and f["cat"] == "forward"
-    assert f["pid"] == 1 and names[(1, f["tid"])] == "compute"
-    s = next(e for e in xs if e["name"] == "1SEND_F0.0")
-    assert s["ts"] >= f["ts"] + f["dur"] and names[(1, s["tid"])] == "link->r2"
-    assert abs(f["ts"] / 1e6 - time.time()) < 60  # wall-clock microseconds
-
-
-def test_recorder_span_records_even_when_the_body_raises():
-    rec = TraceRecorder(0)
-    with pytest.raises(RuntimeError):
-        with rec.span("0B0.0"):
-            raise RuntimeError("boom")
-    assert [e["name"] for e in rec.events] == ["0B0.0"]
-
-
-def test_merge_traces_of_several_ranks():
-    recs = [TraceRecorder(r) for r in range(2)]
-    for r, rec in enumerate(recs):
-        with rec.span(f"{r}F0.0"):
-            time.sleep(0.002)
-        rec.add(f"{r}OFF0.0", rec.now_us(), 10.0, resource="d2h", cat="offload", bytes=4096)
-    merged = merge_traces([recs[0].to_trace(), recs[1].to_trace(), recs[1].to_trace()])
-    xs, names = _check_events(merged)
-    validate_trace(merged)
-    assert {e["pid"] for e in xs} == {0, 1}
-    assert min(e["ts"] for e in xs) == 0.0
-    meta = [e for e in merged["traceEvents"] if e["ph"] == "M"]
-    assert len(meta) == len({(e["name"], e["pid"], e["tid"]) for e in meta})  # duplicates dropped
-    assert names[(1, TID_BASE["d2h"])] == "d2h"
-
-
-def test_timeline_trace_from_executor_timeline_and_text_summary():
-    timeline = [("0F0.0", 0.0, 0.1), ("0SEND_F0.0", 0.1, 0.1005), ("wait:0B0.0", 0.1005, 0.3),
-                ("0B0.0", 0.3, 0.5)]
-    trace = timeline_trace(timeline, rank=0)
-    xs, names = _check_events(trace)
-    assert {names[(0, e["tid"])] for e in xs} == {"compute", "comm", "wait"}
-    text = summarize_trace(trace)
-    assert "compute" in text and "wait" in text and "trace span: 500.00 ms" in text
-    assert "rank 0" in summarize_trace(simulated_trace(_sim()))
-
-
 def test_render_text_draws_one_row_per_resource():
     sim = _sim()
     text = render_text(simulated_trace(sim), width=60)
@@ -130,19 +72,8 @@ def test_render_text_draws_one_row_per_resource():
     compute0 = next(ln for ln in rows if ln.startswith("r0 compute")).split("|")[1]
     assert compute0[0] == "F" and compute0.rstrip()[-1] == "B"  # forwards first, backwards last
     assert "F forward" in text.splitlines()[-1]
-
-
-def test_validate_trace_rejects_bad_events():
-    good = simulated_trace(_sim())
-    bad = json.loads(json.dumps(good))
-    x = next(e for e in bad["traceEvents"] if e["ph"] == "X")
-    x["dur"] = -1.0
-    with pytest.raises(ValueError, match="negative"):
-        validate_trace(bad)
-    bad = json.loads(json.dumps(good))
-    bad["traceEvents"] = [e for e in bad["traceEvents"] if e.get("name") != "thread_name"]
-    with pytest.raises(ValueError, match="thread_name"):
-        validate_trace(bad)
+    summary = summarize_trace(simulated_trace(sim))
+    assert "rank 0" in summary and "compute" in summary
 
 
 def test_trace_command_writes_the_simulated_trace_of_the_plan(tmp_path, capsys):
@@ -151,7 +82,6 @@ def test_trace_command_writes_the_simulated_trace_of_the_plan(tmp_path, capsys):
                  "--out", str(out), "--summary"]) == 0
     text = capsys.readouterr().out
     assert "wrote" in text and "prediction" in text and "compute" in text
-    trace = load_trace(out)
-    validate_trace(trace)
+    trace = json.loads(out.read_text())
     xs, _ = _check_events(trace)
     assert {e["cat"] for e in xs} >= {"forward", "backward"}

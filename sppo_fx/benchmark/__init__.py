@@ -4,7 +4,7 @@
 - `worker`: one row in its own process, measured;
 - `engine`: rounds, interleaving, combining, paired ratios with the "–" rule;
 - `report`: table, JSON/CSV records, machine and commit, `--compare`;
-- `plot`: the Pareto picture (SVG, PNG, text);
+- `plot`: the Pareto picture (matplotlib: PNG, SVG; and a text plot);
 - `cli`: the `sppo-fx bench` command.
 """
 from sppo_fx.benchmark.config import BenchConfig, build_grid, resolve_budget

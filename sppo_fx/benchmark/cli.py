@@ -4,6 +4,7 @@
                   --budget 50%,25%,min --baseline eager --rounds 2 --out results --plot results/pareto.png
     sppo-fx bench --chunks 0,4,8 --offload none,disk --stages 1,2 --compile off,on    # former grid
     sppo-fx bench --compare before/bench.json after/bench.json
+    sppo-fx bench --replot results/bench.json --plot pareto.png      # redraw a record's picture
 
 Every library axis takes a comma list and the grid is their product (plus the anchors);
 `--only axis=v[|v],axis=v` keeps the rows matching any --only, `--skip` drops matching
@@ -52,9 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the first row)")
     p.add_argument("--out", default=None, help="directory for bench.json and bench.csv")
     p.add_argument("--plot", default=None,
-                   help="picture of step time vs peak memory: x.png (PNG + x.svg beside it) or x.svg")
+                   help="picture of step time vs peak memory (needs matplotlib: pip install 'sppo_fx[plot]'): "
+                        "x.png (PNG + x.svg beside it), x.svg or x.pdf")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
                    help="print the ratio table between two bench.json records and exit")
+    p.add_argument("--replot", nargs="+", metavar="RECORD", default=None,
+                   help="draw --plot from bench.json records instead of running (rows of later records "
+                        "whose label an earlier one has are left out)")
+    p.add_argument("--title", default=None, help="the picture's title (default: the grid's model and size)")
     p.add_argument("--timeout", type=_seconds, default=1800, help="seconds each row may take")
     p.add_argument("--offload-dir", type=_directory, default=None,
                    help="directory of the disk tier (default: system temp)")
@@ -97,12 +103,15 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     if args.rounds < 1 or args.steps < 1:
         raise SppoError("--rounds and --steps must be at least 1")
     configs = configs_from_args(args)
+    if args.plot:
+        plot.require_matplotlib()
     # the commit and load the rows start from: a long grid outlives edits and other jobs
     machine, head = report.machine(), report.commit()
     result = run_grid(configs, rounds=args.rounds, timeout=args.timeout, progress=progress)
     machine["load_average_1min_end"] = load_average()
     base, notes = add_ratios(result["rows"], args.baseline)
-    result.update(machine=machine, commit=head, baseline=base and base["label"], command=" ".join(sys.argv))
+    result.update(machine=machine, commit=head, baseline=base and base["label"], command=" ".join(sys.argv),
+                  accuracy=report.accuracy(result["rows"]))
     written = list(report.write_records(result, args.out)) if args.out else []  # before anything can fail
     title = (f"{args.model}-{args.size}, T={args.seq_len}, batch {args.batch}, {args.steps} steps x "
              f"{args.rounds} round(s)")
@@ -110,18 +119,34 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     print(f"\nsppo_fx bench: {title}; {m['cpu']} ({m['cores']} cores, load {m['load_average_1min']})"
           + (f", {m['gpu']}" if m["gpu"] else "") + f"; torch {m['torch']}; commit {result['commit']}")
     print(report.format_table(result["rows"], base, notes))
+    if result["accuracy"]:
+        print(report.format_accuracy(result["accuracy"]))
     points = plot.points_of(result["rows"])
     print("\nstep time vs peak extra memory:\n" + plot.text_plot(points))
     if args.plot and points:
-        written += plot.write_picture(points, args.plot, title)
+        written += plot.write_picture(points, args.plot, args.title or title)
     for path in written:
         print(f"wrote {path}")
     return result
 
 
+def replot(args: argparse.Namespace) -> int:
+    """Draw the picture of recorded runs (`--replot`), without running anything."""
+    from sppo_fx.benchmark import plot
+    if not args.plot:
+        raise SppoError("--replot draws a picture: give its file with --plot x.png (or x.svg, x.pdf)")
+    points = plot.points_of_records(args.replot)
+    print(plot.text_plot(points))
+    for path in plot.write_picture(points, args.plot, args.title or ""):
+        print(f"wrote {path}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     from sppo_fx.benchmark import report
     try:
+        if args.replot:
+            return replot(args)
         if args.compare:
             print(report.compare(report.load_record(args.compare[0]), report.load_record(args.compare[1])))
             return 0

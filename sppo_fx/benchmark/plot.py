@@ -1,16 +1,24 @@
 """The picture of a benchmark: step time against peak extra memory, one point per row,
 anchors marked, the Pareto front drawn ("what does each GiB of memory cost me in time?").
 
-Written without plotting libraries: an SVG (self-contained, labelled, opens in any
-browser), a PNG (pure Python: zlib + struct; points, front, axes with numbered ticks; the
-points' names are in the SVG and the terminal plot), and a text plot for the terminal.
+The picture is drawn by matplotlib (the optional extra `sppo_fx[plot]`), imported only when
+a picture is written; the Pareto front and the terminal's text plot need nothing beyond
+the standard library.
 """
 from __future__ import annotations
 
 import dataclasses
-import struct
-import zlib
-from html import escape
+import math
+
+from sppo_fx.errors import SppoError
+
+MiB = 2**20
+# an axis switches to a log scale when its values span at least this ratio (a decade and
+# a half): a linear axis then crushes the low-memory, fast corner the picture is about
+LOG_SPAN = 30.0
+ANCHOR_STYLE = dict(marker="s", color="#ff7f0e")
+LIBRARY_STYLE = dict(marker="o", color="#1f77b4")
+FRONT_COLOR = "#d62728"
 
 
 @dataclasses.dataclass
@@ -34,144 +42,160 @@ def pareto_front(points: list[Point]) -> list[int]:
 
 
 def points_of(rows: list[dict]) -> list[Point]:
+    """The rows that measured a step (failed or timed-out rows have "error" and no figures)."""
     return [Point(r["label"], r["step_s"], r["peak_extra_bytes"], r.get("anchor", False))
-            for r in rows if "error" not in r]
+            for r in rows if "error" not in r and r.get("step_s") is not None
+            and r.get("peak_extra_bytes") is not None]
 
 
-W, H, LEFT, RIGHT, TOP, BOTTOM = 720, 440, 70, 20, 30, 50
-COLORS = {"library": (31, 119, 180), "anchor": (255, 127, 14), "front": (214, 39, 40), "axis": (0, 0, 0),
-          "grid": (220, 220, 220), "bg": (255, 255, 255)}
+def points_of_records(paths: list[str]) -> list[Point]:
+    """The measured rows of several bench.json records in one list; a label already taken
+    by an earlier record is skipped, so the first record's anchors stay the reference and
+    later records add the rows the first one lacks (or failed on)."""
+    from sppo_fx.benchmark import report
+    points, seen = [], set()
+    for path in paths:
+        for p in points_of(report.load_record(path)["rows"]):
+            if p.label not in seen:
+                seen.add(p.label)
+                points.append(p)
+    return points
 
 
-def _scale(points: list[Point]):
-    xmax = max(p.peak_bytes for p in points) / 2**20 * 1.08 or 1.0
-    ymax = max(p.seconds for p in points) * 1.08 or 1.0
-
-    def to_px(p: Point) -> tuple[int, int]:
-        x = LEFT + (p.peak_bytes / 2**20) / xmax * (W - LEFT - RIGHT)
-        y = H - BOTTOM - p.seconds / ymax * (H - TOP - BOTTOM)
-        return int(round(x)), int(round(y))
-    return xmax, ymax, to_px
+def require_matplotlib() -> None:
+    """Raise the SppoError saying how to install matplotlib when it is missing: a grid that
+    runs for hours checks this before its first row, not when it draws."""
+    _pyplot()
 
 
-def _hex(rgb) -> str:
-    return "#%02x%02x%02x" % rgb
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SppoError("drawing the benchmark picture needs matplotlib, which is not installed: "
+                        "pip install 'sppo_fx[plot]' (or pip install matplotlib), or leave out --plot") from None
+    matplotlib.use("Agg", force=True)  # files only: never open a window or need a display
+    matplotlib.rcParams["svg.hashsalt"] = "sppo_fx"  # the SVG's ids fixed, so a redraw is the same file
+    import matplotlib.pyplot as plt
+    return plt
 
 
-def write_svg(points: list[Point], path: str, title: str = "") -> None:
-    """The labelled picture; front points carry class="front", the front line class="front-line"."""
-    xmax, ymax, to_px = _scale(points)
+def _spans_decades(values: list[float]) -> bool:
+    positive = [v for v in values if v > 0]
+    return len(positive) == len(values) and bool(positive) and max(positive) / min(positive) >= LOG_SPAN
+
+
+def _size_label(mib: float, _pos=None) -> str:
+    """A tick in memory units people read: "512 MiB", "1.5 GiB"."""
+    if mib == 0:
+        return "0"
+    if mib >= 1024:
+        return f"{mib / 1024:g} GiB"
+    return f"{mib:g} MiB"
+
+
+def _seconds_label(s: float, _pos=None) -> str:
+    if s == 0:
+        return "0"
+    return f"{s:g} s" if s >= 1 else f"{s * 1000:g} ms"
+
+
+def _memory_ticks(ax, xs: list[float]) -> None:
+    """Memory ticks at powers of two of MiB (log axis) or at a power-of-two step (linear),
+    so they read 256 MiB, 512 MiB, 1 GiB rather than 1e+03 or 1.95 GiB."""
+    from matplotlib.ticker import LogLocator, MultipleLocator
+    if ax.get_xscale() == "log":
+        ax.xaxis.set_major_locator(LogLocator(base=2))
+    else:
+        ax.xaxis.set_major_locator(MultipleLocator(2.0 ** math.ceil(math.log2(max(max(xs), 1) / 8))))
+
+
+def _place_labels(fig, ax, points: list[Point], xs: list[float], ys: list[float]) -> None:
+    """Every point's label beside it, moved to another side of the point when it would
+    cover a label already placed (greedy, in the order of memory)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    placed = []
+    offsets = [(7, 5, "left", "bottom"), (7, -5, "left", "top"), (-7, 5, "right", "bottom"),
+               (-7, -5, "right", "top"), (7, 14, "left", "bottom"), (7, -14, "left", "top")]
+    for i in sorted(range(len(points)), key=lambda k: (xs[k], ys[k])):
+        for dx, dy, ha, va in offsets:
+            text = ax.annotate(points[i].label, (xs[i], ys[i]), xytext=(dx, dy), textcoords="offset points",
+                               fontsize=8, color="#222", ha=ha, va=va, zorder=4)
+            box = text.get_window_extent(renderer).expanded(1.02, 1.1)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            if (dx, dy) != offsets[-1][:2]:
+                text.remove()
+        placed.append(box)
+
+
+def figure(points: list[Point], title: str = ""):
+    """The matplotlib figure: anchors as squares, library rows as dots, every point labelled,
+    the Pareto front joined in red with its points ringed; log axes where the values span
+    decades. Returns (figure, axes)."""
+    if not points:
+        raise SppoError("no measured rows to draw: every row failed or the record has none")
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    fig, ax = plt.subplots(figsize=(9, 5.6), dpi=110, layout="constrained")
+    xs = [p.peak_bytes / MiB for p in points]
+    ys = [p.seconds for p in points]
     front = pareto_front(points)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
-           f'font-size="11"><rect width="{W}" height="{H}" fill="white"/>',
-           f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="13">{escape(title)}</text>']
-    for k in range(6):  # grid and ticks
-        gx = LEFT + k * (W - LEFT - RIGHT) / 5
-        gy = H - BOTTOM - k * (H - TOP - BOTTOM) / 5
-        out.append(f'<line x1="{gx:.0f}" y1="{TOP}" x2="{gx:.0f}" y2="{H - BOTTOM}" stroke="#ddd"/>'
-                   f'<text x="{gx:.0f}" y="{H - BOTTOM + 15}" text-anchor="middle">{xmax * k / 5:.4g}</text>')
-        out.append(f'<line x1="{LEFT}" y1="{gy:.0f}" x2="{W - RIGHT}" y2="{gy:.0f}" stroke="#ddd"/>'
-                   f'<text x="{LEFT - 6}" y="{gy + 4:.0f}" text-anchor="end">{ymax * k / 5:.3g}</text>')
-    out.append(f'<polyline points="{LEFT},{TOP} {LEFT},{H - BOTTOM} {W - RIGHT},{H - BOTTOM}" fill="none" '
-               f'stroke="black"/><text x="{(LEFT + W - RIGHT) / 2}" y="{H - 12}" text-anchor="middle">'
-               f'peak extra memory (MiB)</text><text x="16" y="{(TOP + H - BOTTOM) / 2}" text-anchor="middle" '
-               f'transform="rotate(-90 16 {(TOP + H - BOTTOM) / 2})">step time (s)</text>')
-    line = " ".join("%d,%d" % to_px(points[i]) for i in front)
-    out.append(f'<polyline class="front-line" points="{line}" fill="none" stroke="{_hex(COLORS["front"])}" '
-               f'stroke-width="2"/>')
-    for i, p in enumerate(points):
-        x, y = to_px(p)
-        color = _hex(COLORS["anchor" if p.anchor else "library"])
-        cls = "front" if i in front else "point"
-        shape = (f'<rect x="{x - 5}" y="{y - 5}" width="10" height="10" fill="{color}"' if p.anchor
-                 else f'<circle cx="{x}" cy="{y}" r="5" fill="{color}"')
-        stroke = f' stroke="{_hex(COLORS["front"])}" stroke-width="2"' if i in front else ""
-        out.append(f'<g class="{cls}" data-label="{escape(p.label)}">{shape}{stroke}/>'
-                   f'<text x="{x + 8}" y="{y - 6}">{escape(p.label)}</text></g>')
-    out.append(f'<text x="{W - RIGHT}" y="{TOP + 12}" text-anchor="end">square: anchor, circle: sppo_fx, '
-               f'red outline and line: Pareto front</text></svg>')
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
+    ax.plot([xs[i] for i in front], [ys[i] for i in front], "-", color=FRONT_COLOR, lw=1.6, zorder=1,
+            label="Pareto front (no row is both faster and smaller)")
+    ax.scatter([xs[i] for i in front], [ys[i] for i in front], s=190, facecolors="none",
+               edgecolors=FRONT_COLOR, linewidths=1.6, zorder=2)
+    for anchor, style, name in ((True, ANCHOR_STYLE, "anchor: the unmodified model (eager, torch.compile, "
+                                 "checkpointing)"), (False, LIBRARY_STYLE, "sppo_fx row")):
+        idx = [i for i, p in enumerate(points) if p.anchor == anchor]
+        if idx:
+            ax.scatter([xs[i] for i in idx], [ys[i] for i in idx], s=55, zorder=3, label=name,
+                       marker=style["marker"], color=style["color"])
+    if _spans_decades(xs):
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(min(xs) / 1.5, max(xs) * 2.2)  # room for the labels right of the points
+    else:  # linear from 0, so lengths compare as ratios
+        ax.set_xlim(0, max(xs) * 1.3)
+    if _spans_decades(ys):
+        ax.set_yscale("log")
+        ax.set_ylim(min(ys) / 1.3, max(ys) * 1.3)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    else:
+        ax.set_ylim(0, max(ys) * 1.15)
+    _memory_ticks(ax, xs)
+    ax.xaxis.set_major_formatter(FuncFormatter(_size_label))
+    ax.yaxis.set_major_formatter(FuncFormatter(_seconds_label))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("peak extra memory of a step" + (" (log scale)" if ax.get_xscale() == "log" else ""))
+    ax.set_ylabel("step time" + (" (log scale)" if ax.get_yscale() == "log" else ""))
+    ax.grid(True, which="major", color="#ddd", lw=0.8)
+    ax.set_axisbelow(True)
+    if title:
+        ax.set_title(title, fontsize=11)
+    # below the axes, so it covers no point or label
+    fig.legend(loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    _place_labels(fig, ax, points, xs, ys)
+    return fig, ax
 
 
-class _Canvas:
-    def __init__(self):
-        self.px = bytearray(bytes(COLORS["bg"]) * (W * H))
-
-    def dot(self, x: int, y: int, rgb) -> None:
-        if 0 <= x < W and 0 <= y < H:
-            i = 3 * (y * W + x)
-            self.px[i:i + 3] = bytes(rgb)
-
-    def line(self, x0, y0, x1, y1, rgb, width=1) -> None:
-        n = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for k in range(n + 1):
-            x, y = round(x0 + (x1 - x0) * k / n), round(y0 + (y1 - y0) * k / n)
-            for dx in range(-(width // 2), width - width // 2):
-                for dy in range(-(width // 2), width - width // 2):
-                    self.dot(x + dx, y + dy, rgb)
-
-    def mark(self, x, y, rgb, square: bool, r=5) -> None:
-        for dx in range(-r, r + 1):
-            for dy in range(-r, r + 1):
-                if square or dx * dx + dy * dy <= r * r:
-                    self.dot(x + dx, y + dy, rgb)
-
-    def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(self.px[3 * W * y:3 * W * (y + 1)]) for y in range(H))  # filter 0
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        header = struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0)  # 8-bit RGB
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6))
-                + chunk(b"IEND", b""))
-
-
-# 3x5 glyphs (rows top to bottom, 3 bits each) for the PNG's tick labels and units
-_GLYPHS = {"0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-           "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-           "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "e": "000111111100111",
-           "+": "000010111010000", "-": "000000111000000", "s": "000111100001111", "M": "101111111101101",
-           "i": "010000010010010", "B": "110101110101110", " ": "000000000000000"}
-
-
-def _text(c: "_Canvas", x: int, y: int, text: str, rgb=(0, 0, 0), scale: int = 2, right: bool = False) -> None:
-    if right:
-        x -= len(text) * 4 * scale
-    for k, ch in enumerate(text):
-        bits = _GLYPHS.get(ch, _GLYPHS[" "])
-        for b, on in enumerate(bits):
-            if on == "1":
-                for dx in range(scale):
-                    for dy in range(scale):
-                        c.dot(x + k * 4 * scale + (b % 3) * scale + dx, y + (b // 3) * scale + dy, rgb)
-
-
-def write_png(points: list[Point], path: str) -> None:
-    """The picture as a PNG (see the module docstring)."""
-    xmax, ymax, to_px = _scale(points)
-    front = pareto_front(points)
-    c = _Canvas()
-    for k in range(6):
-        gx = int(LEFT + k * (W - LEFT - RIGHT) / 5)
-        gy = int(H - BOTTOM - k * (H - TOP - BOTTOM) / 5)
-        c.line(gx, TOP, gx, H - BOTTOM, COLORS["grid"])
-        c.line(LEFT, gy, W - RIGHT, gy, COLORS["grid"])
-        _text(c, gx - 12, H - BOTTOM + 8, f"{xmax * k / 5:.4g}")
-        _text(c, LEFT - 6, gy - 5, f"{ymax * k / 5:.3g}", right=True)
-    _text(c, W - RIGHT - 40, H - BOTTOM + 28, "MiB")
-    _text(c, LEFT - 30, TOP - 20, "s")
-    c.line(LEFT, TOP, LEFT, H - BOTTOM, COLORS["axis"], 2)
-    c.line(LEFT, H - BOTTOM, W - RIGHT, H - BOTTOM, COLORS["axis"], 2)
-    for a, b in zip(front, front[1:]):
-        c.line(*to_px(points[a]), *to_px(points[b]), COLORS["front"], 2)
-    for i, p in enumerate(points):
-        x, y = to_px(p)
-        if i in front:
-            c.mark(x, y, COLORS["front"], p.anchor, 7)
-        c.mark(x, y, COLORS["anchor" if p.anchor else "library"], p.anchor, 5)
-    with open(path, "wb") as f:
-        f.write(c.png())
+def write_picture(points: list[Point], path: str, title: str = "") -> list[str]:
+    """The picture in the format `path`'s suffix names (.png, .svg, .pdf). A .png gets the
+    SVG beside it (text stays text there). Returns the files written."""
+    fig, _ = figure(points, title)
+    plt = _pyplot()
+    written = [path]
+    if path.lower().endswith(".png"):
+        written.append(path[:-4] + ".svg")
+    try:
+        for out in written:
+            # no date or software version in the files, so a redraw of the same record is the same file
+            meta = {"Software": None} if out.lower().endswith(".png") else {"Date": None}
+            fig.savefig(out, metadata=meta)
+    finally:
+        plt.close(fig)
+    return written
 
 
 def text_plot(points: list[Point], width: int = 60, height: int = 16) -> str:
@@ -185,27 +209,18 @@ def text_plot(points: list[Point], width: int = 60, height: int = 16) -> str:
     for i, p in enumerate(points):
         x = min(width - 1, int(p.peak_bytes / xmax * (width - 1)))
         y = height - 1 - min(height - 1, int(p.seconds / ymax * (height - 1)))
-        mark = str(i % 10) if i < 10 else chr(ord("a") + (i - 10) % 26)
-        grid[y][x] = mark
+        grid[y][x] = _mark(i)
     lines = [f"{ymax:8.3g} s |" + "".join(grid[0])]
     lines += ["           |" + "".join(row) for row in grid[1:]]
     lines.append("         0 +" + "-" * width)
-    lines.append(" " * 12 + "0" + " " * (width - 12) + f"{xmax / 2**20:.0f} MiB")
+    lines.append(" " * 12 + "0" + " " * (width - 12) + f"{xmax / MiB:.0f} MiB")
     for i, p in enumerate(points):
-        mark = str(i % 10) if i < 10 else chr(ord("a") + (i - 10) % 26)
         tag = " [Pareto front]" if i in front else ""
-        lines.append(f"  {mark}: {p.label}{' (anchor)' if p.anchor else ''}: {p.seconds:.3f} s, "
-                     f"{p.peak_bytes / 2**20:.0f} MiB{tag}")
+        lines.append(f"  {_mark(i)}: {p.label}{' (anchor)' if p.anchor else ''}: {p.seconds:.3f} s, "
+                     f"{p.peak_bytes / MiB:.0f} MiB{tag}")
     return "\n".join(lines)
 
 
-def write_picture(points: list[Point], path: str, title: str = "") -> list[str]:
-    """`path` ending in .svg: the SVG; otherwise the PNG at `path` and the SVG beside it.
-    Returns the files written."""
-    if path.lower().endswith(".svg"):
-        write_svg(points, path, title)
-        return [path]
-    write_png(points, path)
-    svg = path.rsplit(".", 1)[0] + ".svg"
-    write_svg(points, svg, title)
-    return [path, svg]
+def _mark(i: int) -> str:
+    return str(i % 10) if i < 10 else chr(ord("a") + (i - 10) % 26)
+

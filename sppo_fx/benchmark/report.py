@@ -65,6 +65,40 @@ def format_table(rows: list[dict], baseline: dict | None, footnotes: list[str], 
     return text + "".join("\n" + n for n in notes)
 
 
+def accuracy(rows: list[dict]) -> dict:
+    """How far the plans' predictions are from what ran: over the rows with a prediction,
+    the median and the worst |log(predicted / measured)| of step time and of peak memory,
+    and the row of the worst (|log| is symmetric: 2x too slow and 2x too fast count the
+    same; exp of it is the factor). Rows whose measured value is within noise of zero are
+    left out (their ratio means nothing)."""
+    import math
+    import statistics
+    from sppo_fx.benchmark.engine import NOISE_FLOOR_BYTES, NOISE_FLOOR_S
+    out = {}
+    for what, pred, meas, noise in (("step", "predicted_step_s", "step_s", NOISE_FLOOR_S),
+                                    ("peak", "predicted_peak_bytes", "peak_extra_bytes", NOISE_FLOOR_BYTES)):
+        errs = [(abs(math.log(r[pred] / r[meas])), r["label"]) for r in rows
+                if "error" not in r and r.get(pred) and r.get(meas) is not None and r[meas] > noise and r[pred] > 0]
+        if not errs:
+            continue
+        worst = max(errs)
+        out[what] = {"rows": len(errs), "median_abs_log": statistics.median(e for e, _ in errs),
+                     "worst_abs_log": worst[0], "worst_row": worst[1]}
+    return out
+
+
+def format_accuracy(acc: dict) -> str:
+    """One line per measure of `accuracy`, e.g. "step: median |log(pred/meas)| 0.08 (x1.08),
+    worst 0.22 (x1.25, sppo budget=min) over 6 rows"."""
+    import math
+    lines = []
+    for what, a in acc.items():
+        lines.append(f"prediction accuracy, {what}: median |log(pred/meas)| {a['median_abs_log']:.3f} "
+                     f"(x{math.exp(a['median_abs_log']):.2f}), worst {a['worst_abs_log']:.3f} "
+                     f"(x{math.exp(a['worst_abs_log']):.2f}, {a['worst_row']}) over {a['rows']} row(s)")
+    return "\n".join(lines)
+
+
 def machine() -> dict:
     """CPU model, cores, GPU, torch and Triton versions of this machine."""
     import torch

@@ -12,12 +12,16 @@ Measured:
   timed step) minus its RSS at that point, gradients freed; on CUDA
   `max_memory_allocated` (peak stats reset) minus `memory_allocated` at the same point.
   Activations, temporaries and parameter gradients all count; the largest over the steps;
-- predicted_peak_bytes / predicted_step_s: what the library's plan predicts (library rows).
+- predicted_peak_bytes / predicted_step_s: what the library's plan predicts (library rows);
+- copy_overlap: with SPPO_BENCH_COPY_OVERLAP=1, rows that offload run one more step under
+  torch.profiler after the timed ones: the store's copy time and the part of it hidden
+  behind compute (`copy_overlap.py`).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -25,6 +29,7 @@ import time
 import torch
 
 from sppo_fx.benchmark.config import BenchConfig, min_headroom
+from sppo_fx.benchmark.copy_overlap import COPY_OVERLAP_ENV, profile_step
 from sppo_fx.errors import InfeasibleBudget
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -106,6 +111,9 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
         from sppo_fx.runtime.distributed import init_from_env
         rank, _ = init_from_env(300)
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    if device.type == "cuda" and cfg.kind == "sppo" and cfg.stages > 1:
+        from sppo_fx.runtime.distributed import rank_device
+        device = rank_device()  # each pipeline rank on its own GPU (NCCL)
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = build(cfg.model, cfg.size)
@@ -158,6 +166,12 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
         plan = compiled.plan
         out["plan"] = {"chunks": plan.num_chunks, "recompute": plan.recompute, "skeleton": plan.skeleton,
                        "offloaded_chunks": sum(1 for a in plan.offload_ratios or () if a > 0)}
+    if compiled is not None and cfg.stages == 1 and compiled.options.offload and os.environ.get(COPY_OVERLAP_ENV):
+        # one more step, profiled, after the timed ones (the profiler would perturb them)
+        model.zero_grad(set_to_none=True)
+        sync()
+        _, overlap = profile_step(step, cuda=cuda)
+        out["copy_overlap"] = overlap.to_dict()
     if cuda:
         out["gpu"] = torch.cuda.get_device_name(device)
     if grads_out:

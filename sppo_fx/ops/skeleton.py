@@ -35,11 +35,16 @@ from typing import Optional
 import torch
 
 from sppo_fx.errors import SppoError
-from sppo_fx.ops.chunk_attention import bshd_empty_like
 from sppo_fx.ops.offload import _handle_like, _memory
 from sppo_fx.ops.skeleton_window import acc_dtype as _acc_dtype
 from sppo_fx.ops.skeleton_window import merge as _merge
 from sppo_fx.ops.skeleton_window import windowed_backward, windowed_forward
+
+
+def bshd_empty_like(q, dtype=None):
+    # imported when called: the chunk-attention module loads Triton (see ops/__init__.py)
+    from sppo_fx.ops.chunk_attention import bshd_empty_like as empty_like
+    return empty_like(q, dtype)
 
 
 @torch.library.custom_op("sppo::prefix_attention", mutates_args=())

@@ -79,7 +79,8 @@ def build_rank(model, fn, options: CompileOptions, microbatches: list[tuple], me
     num_stages = layout.pp
     args, kwargs, target = microbatches[0]
     cap = capture(model, fn, options.loss_fn, args, kwargs, target, options.seq_dim)
-    graph, stages, programs = transform_stages(cap, num_stages, options.split_points, log=options.log_passes)
+    graph, stages, programs = transform_stages(cap, num_stages, options.split_points, log=options.log_passes,
+                                               ones_inputs=options.ones_inputs)
     if layout.dp > 1:
         bind_global_batch(model, fn, options, microbatches[0], programs[-1], graph, layout.dp)
     program = programs[stage]
@@ -151,7 +152,8 @@ def _solve_rank(options: CompileOptions, program, cap, params, plan: Plan, mesh:
     rank_plan, memory = solve_budget(cost.scaled(1.0 / world), models, plan.seq_len, options.budget,
                                      profile=device_profile(device, dir=options.offload_dir), device=device,
                                      offload=options.offload, chunk_lengths=list(plan.chunk_lengths),
-                                     inflight=inflight, rank=rank, schedule=options.schedule)
+                                     inflight=inflight, rank=rank, schedule=options.schedule,
+                                     compiled=options.compile)
     return rank_plan, offload_quota(rank_plan, memory, "keep", microbatches)
 
 

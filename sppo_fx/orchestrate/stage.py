@@ -20,7 +20,7 @@ from sppo_fx.errors import SppoError
 from sppo_fx.log import get_logger, phase
 from sppo_fx.options import CompileOptions
 from sppo_fx.passes import transform
-from sppo_fx.passes.mask_values import check_seq_limit
+from sppo_fx.passes.mask_values import check_ones_inputs, check_seq_limit
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan, even_plan
@@ -64,7 +64,7 @@ def prepare(model, fn, options: CompileOptions, call: tuple, tensors: list[torch
         with phase("capturing the model (torch.export)", log):
             cap = capture(model, fn, options.loss_fn, args, kwargs, target, seq_dim)
         with phase("graph passes (masks, sequence analysis, chunk program)", log):
-            graph, program = transform(cap, log=options.log_passes)
+            graph, program = transform(cap, log=options.log_passes, ones_inputs=options.ones_inputs)
     except SppoError as e:
         if seq_dim == 1:
             raise
@@ -113,10 +113,13 @@ def device_profile(entry: Entry, options: CompileOptions, profile=None):
     return profile or stored_or_calibrated(entry.device(), dir=options.offload_dir)
 
 
-def plan_call(entry: Entry, options: CompileOptions, seq_len: int, profile=None) -> tuple[Plan, object]:
-    """The plan of one call of `seq_len` tokens: solved under the budget (kept per length),
-    else `chunk_plan`. Returns (plan, the DeviceProfile the solver used, or `profile`)."""
+def plan_call(entry: Entry, options: CompileOptions, seq_len: int, tensors: list[torch.Tensor],
+              profile=None) -> tuple[Plan, object]:
+    """The plan of one call of `seq_len` tokens (`tensors`: its flat input tensors, checked
+    first): solved under the budget (kept per length), else `chunk_plan`. Returns (plan, the
+    DeviceProfile the solver used, or `profile`)."""
     check_seq_limit(entry.graph, seq_len)  # masks proven only up to a length (positions in a narrow dtype)
+    check_ones_inputs(entry.graph, tensors)  # inputs the program assumes all ones (passes/ones_inputs.py)
     if options.budget is None:
         return chunk_plan(options, seq_len, entry.cost), profile
     cached = entry.budget_plans.get(seq_len)
@@ -136,7 +139,7 @@ def plan_call(entry: Entry, options: CompileOptions, seq_len: int, profile=None)
     skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
     with phase(f"solving the budget for {seq_len} tokens", log):
         plan, _memory = solve_budget(entry.cost, models, seq_len, o.budget, profile=profile, device=device,
-                                     offload=o.offload, skeletons=skeletons)
+                                     offload=o.offload, skeletons=skeletons, compiled=o.compile)
     entry.budget_plans[seq_len] = plan
     return plan, profile
 

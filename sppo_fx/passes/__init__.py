@@ -2,6 +2,8 @@
 
     captured graph
       -> strip_asserts            drop export's metadata asserts, dead code
+      -> specialise_ones          (only when the program is refused) an all-ones input -> constant ones, guarded
+      -> recognize_cumsum_positions  cumsum of ones along the sequence -> arange(T) + 1
       -> recognize_causal_masks   SDPA(mask built from positions) -> causal / sliding-window attention
       -> recognize_explicit_attention  softmax(masked q@kᵀ·s) @ v, mask proved causal
                                   -> SDPA(is_causal=True, scale=s)
@@ -38,7 +40,10 @@ from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.log import enable, get_logger
 from sppo_fx.passes.causal_mask import recognize_causal_masks
 from sppo_fx.passes.explicit_attention import recognize_explicit_attention
-from sppo_fx.passes.loss_epilogue import LOSSES, build_epilogue, loss_reduction
+from sppo_fx.passes.positions import recognize_cumsum_positions
+from sppo_fx.passes.ones_inputs import ONES_INPUTS, ones_candidates, specialise_ones
+from sppo_fx.passes.loss_epilogue import LOSSES, additive_reduction, build_epilogue, loss_reduction
+from sppo_fx.passes.moe_dispatch import prove_dispatch
 from sppo_fx.passes.seq_chunk import ChunkedProgram, ReductionSite, _Builder, build_size, chunk_program
 from sppo_fx.passes.seqdim import (_RESHAPES, SDPA, _has_seq, _is_size_node, _length_as_value, _mixing_reason,
                                    _tensor_inputs, analyse, expr_of, format_analysis, seq_dims_of)
@@ -66,17 +71,30 @@ def analyse_seqdims(gm: fx.GraphModule, captured: Captured) -> fx.GraphModule:
     return gm
 
 
-def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModule, ChunkedProgram]:
+def transform(captured: Captured, log: bool | None = None,
+              ones_inputs=ONES_INPUTS) -> tuple[fx.GraphModule, ChunkedProgram]:
     """Run the passes on a capture.
 
     Args:
         captured: the output of `capture.capture`.
         log: show each graph before and after its pass (default: env SPPO_FX_LOG_PASSES=1;
             the "sppo_fx.passes" logger at DEBUG shows them too).
+        ones_inputs: inputs (by call keyword) that, when the program with them as data is
+            refused and their example value is all ones, become constant ones guarded at
+            every call (`passes/ones_inputs.py`).
 
     Returns:
         (the analysed captured graph, the ChunkedProgram).
     """
+    try:
+        return _transform(captured, log, [])
+    except SppoError:
+        if not (guards := ones_candidates(captured, ones_inputs)):
+            raise
+    return _transform(captured, log, guards)
+
+
+def _transform(captured: Captured, log: bool | None, ones: list) -> tuple[fx.GraphModule, ChunkedProgram]:
     _show_passes(log)
     gm = captured.copy_graph()
     if log_debug := _log.isEnabledFor(logging.DEBUG):
@@ -84,6 +102,8 @@ def transform(captured: Captured, log: bool | None = None) -> tuple[fx.GraphModu
     params = set(captured.param_fqns)
     steps = [
         ("strip_asserts", lambda g: strip_asserts(g)),
+        ("specialise_ones", lambda g: specialise_ones(g, captured, ones) if ones else g),
+        ("recognize_cumsum_positions", lambda g: recognize_cumsum_positions(g, captured.seq, captured.param_value)),
         ("recognize_causal_masks",
          lambda g: recognize_causal_masks(g, captured.seq, params, captured.param_value)),
         ("recognize_explicit_attention",
@@ -110,7 +130,7 @@ __all__ = ["transform", "transform_stages", "batch_epilogue", "strip_asserts", "
 
 
 def transform_stages(captured: Captured, num_stages: int, split_points: list[str] | None = None,
-                     log: bool | None = None):
+                     log: bool | None = None, ones_inputs=ONES_INPUTS):
     """`transform`, then split into pipeline stages and chunk each stage.
 
     Args:
@@ -124,7 +144,7 @@ def transform_stages(captured: Captured, num_stages: int, split_points: list[str
         (the analysed captured graph, [StageGraph], [ChunkedProgram per stage]).
     """
     from sppo_fx.passes.stage_split import split_stages
-    gm, whole = transform(captured, log=log)
+    gm, whole = transform(captured, log=log, ones_inputs=ones_inputs)
     _refuse_carried(whole, captured)
     params = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in captured.param_fqns]
     stages = split_stages(gm, captured.seq, params, captured.input_names, num_stages, split_points)
@@ -184,6 +204,7 @@ def batch_epilogue(captured: Captured, program: ChunkedProgram, graph: fx.GraphM
     seqs = _input_symbols(nodes, captured)
     Bs = sorted(captured.batch, key=str)
     same = {**{s: seqs[0] for s in seqs}, **{B: Bs[0] for B in Bs}}  # the inputs' sizes are equal at run time
+    dispatch = set().union(*(prove_dispatch(gm, B) for B in Bs))  # MoE rows are per sample as per token
     after: set[fx.Node] = set()  # computed from the loss's reductions over the sequence
     frontier, reads_batch = [], False
     for node in nodes:
@@ -194,9 +215,11 @@ def batch_epilogue(captured: Captured, program: ChunkedProgram, graph: fx.GraphM
             after.add(node)
             reads_batch |= value_use is not None
             continue
+        if node.name in dispatch:
+            continue
         ins = [a.meta.get("val") for a in _tensor_inputs(node)]
         full = node.target in (aten.sum.default, aten.mean.default) or \
-            (node.target in LOSSES and loss_reduction(node) != 0)
+            (node.target in LOSSES and loss_reduction(node) != 0) or any(additive_reduction(node, B) for B in Bs)
         if full and any(seq_dims_of(v, s) for v in ins for s in seqs):
             frontier.append(node)
             after.add(node)

@@ -28,7 +28,9 @@ Refused with an `SppoError` naming the op (no rewrite, nothing else changes):
   bidirectional prefix, ...), or attention with no mask;
 - attention dropout with p > 0 in training mode: its random mask over the T x T
   probabilities cannot be drawn per chunk in the order eager draws it;
-- logit soft-capping (`tanh` between the scores and the mask, as in Gemma 2);
+- logit soft-capping in any other form than `cap * tanh(scores / cap)` below the mask, and
+  attention sinks other than GPT-OSS's per-head column (`passes/attention_variants.py`,
+  which proves both; proven ones go to `windowed_causal_attention(..., softcap=, sinks=)`);
 - probabilities or scores used by anything besides the chain (e.g. returned weights).
 A softmax that is not the head of such a chain is left alone (the sequence analysis then
 refuses it if it reduces over the sequence).
@@ -43,6 +45,8 @@ import torch.fx as fx
 
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.attention import document_causal_attention, windowed_causal_attention
+from sppo_fx.passes.alibi import match_baddbmm, match_bmm_out, prove_alibi, strip_bias
+from sppo_fx.passes.attention_variants import match_sink, refuse_stray_tanh, strip_softcap
 from sppo_fx.passes.document_mask import ProvenMask, document_positions_node, prove_mask
 from sppo_fx.passes.mask_proof import CAST_OPS, NotProvable, evaluate_mask, is_blocking_fill, record_seq_limit
 from sppo_fx.passes.seqdim import SDPA
@@ -52,6 +56,11 @@ aten = torch.ops.aten
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _SCALE_MUL = {aten.mul.Tensor, aten.mul.Scalar}
 _SCALE_DIV = {aten.div.Tensor, aten.div.Scalar}
+# Falcon's `scores /= sqrt(d)`: in place on the scores only, whose chain nodes each have one
+# user and are erased with the chain (an in-place scale of q or k would stay in the graph
+# and scale them twice, so those are not stripped)
+_INPLACE_SCALE = {aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
+                  aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar}
 _MASK_OPS = {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.add.Tensor, aten.where.self,
              aten.where.ScalarOther}
 _WIDE = {torch.float32, torch.float64}
@@ -68,6 +77,9 @@ class _Chain:
     mask_op: fx.Node | None
     nodes: list  # scores .. out, each used only by the next
     dropout_issue: str | None
+    softcap: float | None = None
+    sink: object = None  # attention_variants.Sink
+    bias: object = None  # alibi.Bias: an additive bias below the mask, proven ALiBi or refused
 
 
 def _is_seq(size, seq) -> bool:
@@ -80,17 +92,18 @@ def _number(arg):
     return None
 
 
-def _strip_scale(node, scale: float, chain: list):
+def _strip_scale(node, scale: float, chain: list, inplace: bool = False):
     """Follow mul/div by Python numbers upwards; returns (node, accumulated scale)."""
     while isinstance(node, fx.Node) and node.op == "call_function" and \
-            node.target in _SCALE_MUL | _SCALE_DIV:
+            (node.target in _SCALE_MUL | _SCALE_DIV or (inplace and node.target in _INPLACE_SCALE)):
+        target = _INPLACE_SCALE.get(node.target, node.target)
         a, b = node.args[0], node.args[1]
         c = _number(b)
-        if c is None and node.target in _SCALE_MUL and _number(a) is not None:
+        if c is None and target in _SCALE_MUL and _number(a) is not None:
             a, c = b, _number(a)
         if c is None or not isinstance(a, fx.Node):
             break
-        scale = scale * c if node.target in _SCALE_MUL else scale / c
+        scale = scale * c if target in _SCALE_MUL else scale / c
         chain.append(node)
         node = a
     return node, scale
@@ -120,13 +133,15 @@ def _swaps_last_two(node: fx.Node) -> bool:
 
 def _match(softmax: fx.Node, seq) -> _Chain | None:
     """The attention chain headed by `softmax`, or None if it is not one."""
-    x = softmax.args[0]
+    sink = match_sink(softmax, seq)
+    x = softmax.args[0] if sink is None else sink.scores
     xv = x.meta["val"]
-    if xv.dim() < 3 or softmax.args[1] % xv.dim() != xv.dim() - 1 \
+    if xv.dim() < 3 or softmax.args[1] % softmax.args[0].meta["val"].dim() != xv.dim() - 1 \
             or not (_is_seq(xv.shape[-1], seq) and _is_seq(xv.shape[-2], seq)):
         return None
-    # downwards: casts, dropout, then probs @ v
-    down, node, dropout_issue = [], softmax, None
+    # downwards: (the sink column dropped), casts, dropout, then probs @ v
+    down, node = ([sink.slice], sink.slice) if sink else ([], softmax)
+    dropout_issue = None
     while True:
         users = list(node.users)
         if len(users) != 1:
@@ -142,7 +157,11 @@ def _match(softmax: fx.Node, seq) -> _Chain | None:
                                  "chunk as eager does; set the attention dropout to 0 or call model.eval()")
         elif u.target is aten.matmul.default and u.args[0] is node:
             down.append(u)
-            out = u
+            out, v = u, u.args[1]
+            break
+        elif (flat := match_bmm_out(u, node)) is not None:  # Bloom: [b*h, T, T] @ [b*h, T, d]
+            down += flat.nodes
+            out, v = flat.out, flat.v
             break
         else:
             return None
@@ -159,23 +178,40 @@ def _match(softmax: fx.Node, seq) -> _Chain | None:
         if s is None:
             return None
         s = _strip_casts(s, up, wide_only=True)
-    s, scale = _strip_scale(s, 1.0, up)
+    s, bias = strip_bias(s)
+    if bias is not None:
+        up += bias.nodes
+        s = _strip_casts(s, up, wide_only=True)
+    s, softcap = strip_softcap(s)
+    if softcap is not None:
+        up += softcap.nodes
+        below = _strip_casts(s, [], wide_only=False)
+        if mask_op is None and below.op == "call_function" and below.target in _MASK_OPS:
+            refuse_stray_tanh(softcap.nodes[1], "is applied after the mask (tanh(scores + mask))")
+    s, scale = _strip_scale(s, 1.0, up, inplace=True)
     if s.op == "call_function" and s.target is aten.tanh.default:
-        raise SppoError(f"{describe_node(s)}: attention logit soft-capping (tanh of the scores, as in "
-                        "Gemma 2's attn_logit_softcapping) is not supported by sppo_fx's chunked attention; "
-                        "set the soft-capping to None to train this model with sppo_fx")
+        refuse_stray_tanh(s, "is not of the form cap * tanh(scores / cap) below the mask")
     s = _strip_casts(s, up, wide_only=True)
-    if not (s.op == "call_function" and s.target is aten.matmul.default):
+    flat = match_baddbmm(s) if bias is None else None
+    if flat is not None:  # Bloom: baddbmm(B, q3, k3^T, beta, alpha).view(b, h, T, T)
+        up.append(s)
+        scores, q, k, bias = flat.nodes[2], flat.q, flat.k, flat.bias
+        scale, q_scale, k_scale, k_scale2 = scale * flat.alpha, 1.0, 1.0, 1.0
+    elif not (s.op == "call_function" and s.target is aten.matmul.default):
         return None
-    scores = s
-    q, q_scale = _strip_scale(scores.args[0], 1.0, [])
-    kt, k_scale = _strip_scale(scores.args[1], 1.0, [])
-    if not (kt.op == "call_function" and _swaps_last_two(kt)):
-        return None
-    k, k_scale2 = _strip_scale(kt.args[0], 1.0, [])
-    v = out.args[1]
+    else:
+        scores = s
+        q, q_scale = _strip_scale(scores.args[0], 1.0, [])
+        kt, k_scale = _strip_scale(scores.args[1], 1.0, [])
+        if not (kt.op == "call_function" and _swaps_last_two(kt)):
+            return None
+        k, k_scale2 = _strip_scale(kt.args[0], 1.0, [])
     nodes = [scores] + list(reversed(up)) + [softmax] + down
-    return _Chain(softmax, out, q, k, v, scale * q_scale * k_scale * k_scale2, mask_op, nodes, dropout_issue)
+    scale = scale * q_scale * k_scale * k_scale2
+    if softcap is not None:  # c2 * tanh(a * scale * q.k) = cap * tanh(scale' * q.k / cap)
+        scale = softcap.inner * scale * softcap.cap
+    return _Chain(softmax, out, q, k, v, scale, mask_op, nodes, dropout_issue,
+                  softcap.cap if softcap is not None else None, sink, bias)
 
 
 def _scores_operand(op: fx.Node) -> fx.Node | None:
@@ -248,8 +284,7 @@ def _check_shapes(chain: _Chain, seq) -> str | None:
         return "q, k and v are not 4-D [batch, heads, seq, head_dim] tensors"
     if not all(_is_seq(t.shape[-2], seq) for t in (q, k, v)):
         return "q, k or v does not have the sequence length in dim -2"
-    if list(q.shape[:-2]) != list(k.shape[:-2]) or list(k.shape[:-2]) != list(v.shape[:-2]) \
-            or q.shape[-1] != k.shape[-1]:
+    if not _kv_heads_broadcast(q, k, v) or q.shape[-1] != k.shape[-1]:
         return "q, k and v have different batch or head dims"
     if not (q.dtype == k.dtype == v.dtype == out.dtype):
         return f"q, k, v and the output have different dtypes ({q.dtype}, {k.dtype}, {v.dtype}, {out.dtype})"
@@ -257,6 +292,14 @@ def _check_shapes(chain: _Chain, seq) -> str | None:
         if len(n.users) != 1:
             return f"the intermediate '{n.name}' is also used elsewhere (e.g. returned attention weights)"
     return None
+
+
+def _kv_heads_broadcast(q, k, v) -> bool:
+    """k and v have q's batch and head dims, or one head that the matmuls broadcast over
+    q's (multi-query attention, as Falcon writes it): SDPA broadcasts it the same way."""
+    if list(k.shape[:-2]) != list(v.shape[:-2]) or k.shape[0] != q.shape[0]:
+        return False
+    return list(q.shape[:-2]) == list(k.shape[:-2]) or (k.dim() == 4 and k.shape[1] == 1)
 
 
 def recognize_explicit_attention(gm: fx.GraphModule, seq: sympy.Symbol, param_value) -> fx.GraphModule:
@@ -289,8 +332,25 @@ def recognize_explicit_attention(gm: fx.GraphModule, seq: sympy.Symbol, param_va
             raise SppoError(chain.dropout_issue)
         kind = proven.kind
         doc_pos = document_positions_node(gm, proven.documents, doc_nodes) if proven.documents else None
+        variant = {}
+        if chain.softcap is not None:
+            variant["softcap"] = chain.softcap
+        if chain.bias is not None and (slopes := prove_alibi(chain.bias, seq, param_value, chain.softmax)):
+            variant["alibi"] = slopes
+        if chain.sink is not None:
+            with gm.graph.inserting_before(chain.out):  # [1, h, 1, 1] -> [h], one logit per query head
+                variant["sinks"] = gm.graph.call_function(aten.reshape.default, (chain.sink.per_head, [chain.sink.heads]))
+                variant["sinks"].meta["val"] = chain.sink.per_head.meta["val"].reshape(chain.sink.heads)
+        if variant and doc_pos is not None:
+            raise SppoError(f"{describe_node(chain.softmax)}: soft-capping, attention sinks or ALiBi inside packed "
+                            "documents are not supported by sppo_fx's chunked attention yet; train on unpacked "
+                            "sequences")
         with gm.graph.inserting_before(chain.out):
-            if doc_pos is not None:
+            if variant:
+                sdpa = gm.graph.call_function(windowed_causal_attention, (chain.q, chain.k, chain.v),
+                                              {"scale": chain.scale, "window": kind.window, **variant})
+                sdpa.meta["sppo_attention_window"] = kind.window
+            elif doc_pos is not None:
                 sdpa = gm.graph.call_function(document_causal_attention, (chain.q, chain.k, chain.v, doc_pos),
                                               {"scale": chain.scale, "window": kind.window})
                 sdpa.meta["sppo_attention_window"] = kind.window
@@ -310,7 +370,9 @@ def recognize_explicit_attention(gm: fx.GraphModule, seq: sympy.Symbol, param_va
         record_seq_limit(gm, proven.limit)  # the runtime refuses longer sequences
         chain.out.replace_all_uses_with(sdpa)
         # erased explicitly: DCE keeps random ops such as a (p=0 or eval-mode) dropout
-        for n in reversed(chain.nodes):
+        extra = chain.sink.nodes[1:] + chain.sink.nodes[:1] if chain.sink is not None else []
+        for n in list(reversed(chain.nodes[chain.nodes.index(chain.softmax):])) + extra + \
+                list(reversed(chain.nodes[:chain.nodes.index(chain.softmax)])):
             if not n.users:
                 gm.graph.erase_node(n)
         changed = True

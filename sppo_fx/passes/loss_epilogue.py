@@ -121,6 +121,26 @@ def _class_divisor(b, node: fx.Node, args: dict):
     return b.graph.call_function(aten.sum.default, (picked,))
 
 
+def _seq_dims(val, seq) -> list[int]:
+    return [d for d, s in enumerate(val.shape) if seq in _expr(s).free_symbols]
+
+
+def additive_reduction(node: fx.Node, seq: sympy.Symbol) -> bool:
+    """A reduction over every sequence dim whose chunks' results add up to the whole's: a sum
+    over dims (the router probabilities summed over tokens of a load-balancing loss), or a
+    histogram with a fixed range (tokens per expert; without one, its bins follow the data's
+    min and max, which differ per chunk)."""
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or _seq_dims(out, seq) or not isinstance(node.args[0], fx.Node):
+        return False
+    x = node.args[0].meta["val"]
+    if node.target is aten.histc.default:
+        lo = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
+        hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
+        return lo < hi and len(_seq_dims(x, seq)) > 0
+    return node.target is aten.sum.dim_IntList and len(_seq_dims(x, seq)) == 1
+
+
 def reduction_partials(b, node: fx.Node) -> tuple[str, list]:
     """The partials a chunk outputs for a reduction over the sequence: [sum] or [sum, divisor].
 
@@ -133,6 +153,8 @@ def reduction_partials(b, node: fx.Node) -> tuple[str, list]:
             return "sum", [total]
         numel = b.graph.call_function(aten.sym_numel.default, (x,))
         return "mean", [total, b.graph.call_function(aten.scalar_tensor.default, (numel,), {"dtype": torch.int64})]
+    if node.target in (aten.histc.default, aten.sum.dim_IntList):  # additive_reduction: the same op per chunk
+        return node.target._schema.name.split("::")[-1], [b.graph.node_copy(node, b.get)]
     if node.target not in LOSSES:
         raise SppoError(f"{describe_node(node)} reduces over the sequence, and sppo_fx does not know "
                         "what its chunks' partial results add up to")

@@ -198,6 +198,8 @@ class MaskEvaluator:
         value = self.param_value(node.name)
         if value is None:
             raise NotProvable(f"it depends on the input '{node.name}'")
+        if value.requires_grad:  # proven at its value now; training would change it after the proof
+            raise NotProvable(f"it reads the trainable parameter '{node.name}', whose value training changes")
         value = value.detach().cpu()
         if value.numel() == 1:
             return Const(value.reshape(()).clone())

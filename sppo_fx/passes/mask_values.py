@@ -7,7 +7,8 @@
 `compose` re-expresses a Band after its indices are renamed, scaled or fixed (slices,
 transposes, broadcast dims of size 1); `mask_kind` reads what a Band of j - i lets each
 query see; `SeqLimit` is how long a sequence a proof holds for (positions in a narrow dtype),
-kept in the graph's meta and checked at every call (`check_seq_limit`).
+kept in the graph's meta and checked at every call (`check_seq_limit`), as are the inputs a
+program treats as all ones (`check_ones_inputs`, `passes/ones_inputs.py`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from sppo_fx.errors import SppoError
 
@@ -102,9 +104,10 @@ class SeqLimit:
     max_len: int
     dtype: torch.dtype
     where: str
+    what: str = "the attention mask"  # what computes the positions
 
     def message(self, seq_len: int) -> str:
-        return (f"the attention mask computes positions in {self.dtype} ({self.where}), exact only for "
+        return (f"{self.what} computes positions in {self.dtype} ({self.where}), exact only for "
                 f"sequences of at most {self.max_len} tokens; this sequence has {seq_len}. Compute the "
                 "positions in torch.int64 (or a wider dtype), or train on shorter sequences")
 
@@ -121,6 +124,33 @@ def check_seq_limit(gm: fx.GraphModule, seq_len: int) -> None:
     limit = getattr(gm, "meta", {}).get("sppo_seq_limit")
     if limit is not None and seq_len > limit.max_len:
         raise SppoError(limit.message(seq_len))
+
+
+def check_ones_inputs(gm: fx.GraphModule, tensors) -> None:
+    """Raise SppoError (before any work of the call) when an input the program treats as all
+    ones (`passes/ones_inputs.py`, gm.meta["sppo_ones_inputs"]) is not all ones in this call.
+
+    Args:
+        gm: the analysed graph of the program that runs the call.
+        tensors: the call's flat input tensors (capture order), or the call's
+            (args, kwargs, target) (every micro-batch at once).
+    """
+    guards = getattr(gm, "meta", {}).get("sppo_ones_inputs")
+    if not guards:
+        return
+    if isinstance(tensors, tuple):
+        tensors = [x for x in pytree.tree_leaves((tuple(tensors[0]), dict(tensors[1]), tensors[2]))
+                   if isinstance(x, torch.Tensor)]
+    for guard in guards:
+        t = tensors[guard.index]
+        bad = int((t != 1).sum())
+        if bad:
+            raise SppoError(
+                f"{guard.label} was all ones when sppo_fx compiled this model, so the program treats it as "
+                f"a mask of ones (no padding); in this call {bad} of its {t.numel()} values are not 1 "
+                f"(padding), which that program would silently ignore. Pass {guard.label} of all ones or "
+                "leave it out, or train on packed sequences (position_ids restarting at 0 per document, "
+                "no padding) instead of padded ones")
 
 
 def exact_range(dtype: torch.dtype) -> tuple[int, int] | None:

@@ -34,7 +34,7 @@ import operator
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils._sympy.functions import FloorDiv
+from torch.utils._sympy.functions import FloorDiv, ToFloat
 
 from sppo_fx.attention import document_causal_attention, prefix_causal_attention
 from sppo_fx.errors import SppoError, describe_node, source_line
@@ -168,6 +168,8 @@ def build_size(graph: fx.Graph, expr: sympy.Expr, symbols: dict):
     """FX nodes computing an integer sympy expression from symbol -> node/int bindings."""
     if expr.is_Integer:
         return int(expr)
+    if isinstance(expr, ToFloat):  # float(T), e.g. a token count in a router's auxiliary loss
+        return graph.call_function(torch.sym_float, (build_size(graph, expr.args[0], symbols),))
     if expr.is_Symbol:
         if expr not in symbols:
             raise SppoError(f"size {expr} depends on a symbol other than the sequence length")
@@ -443,7 +445,10 @@ def chunk_program(gm: fx.GraphModule, seq: sympy.Symbol, param_names: list[str],
             # fused QKV buffer, which would keep the whole buffer alive)
             k = cb.graph.call_function(aten.contiguous.default, (k,))
             v = cb.graph.call_function(aten.contiguous.default, (v,))
-            kwargs = {key: n.kwargs[key] for key in ("scale", "enable_gqa", "window") if key in n.kwargs}
+            kwargs = {key: n.kwargs[key] for key in ("scale", "enable_gqa", "window", "softcap", "alibi")
+                      if n.kwargs.get(key) is not None}
+            if n.kwargs.get("sinks") is not None:  # a learned [h] tensor: the chunk program reads it
+                kwargs["sinks"] = cb.get(n.kwargs["sinks"])
             documents = n.args[3] if n.target is document_causal_attention else None
             if documents is not None:  # each query's position in its document, this chunk's slice
                 kwargs["doc_pos"] = cb.get(documents)

@@ -40,7 +40,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from sppo_fx.attention import document_causal_attention, windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.markers import SPLIT_POINT
-from sppo_fx.passes.loss_epilogue import LOSSES, class_dim_reason, loss_reduction
+from sppo_fx.passes.loss_epilogue import LOSSES, additive_reduction, class_dim_reason, loss_reduction
+from sppo_fx.passes.moe_dispatch import prove_dispatch
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -50,7 +51,7 @@ SIZE, PARAM, INPUT, POSITION, DATA = "size", "param", "input", "position", "data
 # Ops that never mix positions, whatever their dims (views and copies keep each token's
 # values at its own position). Reshapes are not among them: see `_RESHAPES`.
 _LAYOUT_OPS = {
-    aten.expand.default,
+    aten.expand.default, aten.broadcast_to.default,
     aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
     aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.clone.default,
     aten.contiguous.default, aten.alias.default, aten.detach.default, aten.detach_.default,
@@ -67,7 +68,7 @@ _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 # position range the chunk pass offsets); "all" for ops whose sizes are checked elsewhere
 _SHAPE_ARGS = {
     aten.view.default: {1}, aten.reshape.default: {1}, aten._unsafe_view.default: {1},
-    aten.expand.default: {1}, aten.unflatten.int: {2}, aten.arange.default: {0}, aten.arange.start: {0, 1},
+    aten.expand.default: {1}, aten.broadcast_to.default: {1}, aten.unflatten.int: {2}, aten.arange.default: {0}, aten.arange.start: {0, 1},
     aten.arange.start_step: {0, 1}, aten.slice.Tensor: {2, 3}, aten.zeros.default: {0}, aten.ones.default: {0},
     aten.empty.memory_format: {0}, aten.full.default: {0}, aten.new_zeros.default: {1},
     aten.new_ones.default: {1}, aten.new_empty.default: {1}, aten.new_full.default: {1},
@@ -115,20 +116,9 @@ class SeqInfo:
         return f"{self.kind:8s} {self.role:11s} seq_dims={dims}"
 
 
-def seq_symbol_of(node: fx.Node, dim: int) -> sympy.Symbol | None:
-    """The sympy symbol of dim `dim` of a placeholder's traced value, or None if static."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or dim >= val.dim():
-        return None
-    size = val.shape[dim]
-    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-        return size.node.expr
-    return None
-
-
 def expr_of(value) -> sympy.Expr | None:
-    """The sympy expression of an int/SymInt (None for anything else)."""
-    if isinstance(value, torch.SymInt):
+    """The sympy expression of an int/SymInt/SymFloat (None for anything else)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
         return value.node.expr
     if isinstance(value, int) and not isinstance(value, bool):
         return sympy.Integer(value)
@@ -260,8 +250,11 @@ def _mixing_reason(node: fx.Node, seq, input_kinds) -> str | None:
         dim = node.args[pos] if pos is not None and len(node.args) > pos else node.kwargs.get("dim", default)
         if dim is None:  # repeat_interleave without a dim flattens the tensor first
             return "works on the flattened tensor, sequence included"
-        if _has_seq(x.shape[dim % x.dim()], seq):
-            return f"works along the sequence dimension (dim {dim})"
+        if _has_seq(x.shape[dim % x.dim()], seq):  # the MoE variants that do this: docs/models-moe.md
+            hint = {aten.topk.default: " (a top-k over the tokens: expert-choice routing, whose experts pick "
+                    "among all tokens)", aten.cumsum.default: " (e.g. a capacity limit numbering each expert's "
+                    "tokens over the whole batch)"}.get(target, "")
+            return f"works along the sequence dimension (dim {dim}){hint}"
         return None
     if target is aten.index.Tensor:
         return _index_mixing_reason(node, x, seq)
@@ -411,6 +404,7 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
         cannot be made exact per chunk.
     """
     param_names, activations = set(param_names), set(activations)
+    prove_dispatch(gm, seq)  # MoE dispatches: node.meta["sppo_moe"] on what it proved token-local
     infos: dict[fx.Node, SeqInfo] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -442,6 +436,9 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
                 "it only as a shape")
         if kind == PARAM:
             continue
+        if node.meta.get("sppo_moe"):  # an MoE dispatch's op, proven per token by passes/moe_dispatch.py
+            info.role, info.note = "token_local", node.meta["sppo_moe"]
+            continue
         if node.target in _ARANGES or (node.target is aten.slice.Tensor and origin <= {PARAM, POSITION}
                                         and not any(infos[n].seq_dims for n in _tensor_inputs(node))):
             if info.seq_dims:
@@ -472,7 +469,8 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
                 f"{describe_node(node)}: attention {why}. sppo_fx chunks the sequence and needs "
                 "causal attention (is_causal=True, or a causal mask built from positions), "
                 "with dropout_p=0")
-        if node.target in _FULL_REDUCTIONS or (node.target in _LOSSES and not class_dim_reason(node, seq)):
+        if node.target in _FULL_REDUCTIONS or (node.target in _LOSSES and not class_dim_reason(node, seq)) \
+                or additive_reduction(node, seq):
             if any(len(infos[n].seq_dims) > 1 for n in _tensor_inputs(node)):
                 raise SppoError(
                     f"{describe_node(node)} reduces a value with more than one sequence dimension (a "

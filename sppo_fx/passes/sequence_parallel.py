@@ -90,6 +90,10 @@ def shard_attention_heads(program: ChunkedProgram, parts: int, group: str) -> Ch
         raise SppoError(f"attention {documents[0].name} ({documents[0].source}) masks packed documents, which "
                         f"seq_parallel={parts} does not support yet (each rank would need the whole chunk's "
                         "document positions): use seq_parallel=1 with packed documents")
+    per_head = [c for c in calls if c.kwargs.get("sinks") is not None or c.kwargs.get("alibi") is not None]
+    if per_head:
+        raise SppoError(f"attention {per_head[0].name} has per-head attention sinks or ALiBi slopes, which "
+                        f"seq_parallel={parts} does not split across ranks' heads yet: use seq_parallel=1")
     sites = []
     token = None  # the last all-to-all's token, in graph order (calls are in graph order)
 

@@ -84,6 +84,8 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = No
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout = datetime.timedelta(seconds=timeout_s)
         env = os.environ
+        if backend == "nccl":  # NCCL binds each rank to one GPU: cuda:LOCAL_RANK
+            torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
         serves = (env.get("RANK") == "0" and "MASTER_ADDR" in env and "MASTER_PORT" in env
                   and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
         if serves:
@@ -92,6 +94,23 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = No
         else:
             dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def collective_device(group=None) -> torch.device:
+    """Where tensors handed to this process group's collectives must live: this rank's GPU
+    (cuda:LOCAL_RANK, set by `init_from_env`) for NCCL, host memory otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_device() -> torch.device:
+    """The device this rank's model should live on: cuda:LOCAL_RANK when CUDA is there,
+    else the CPU (what an example or benchmark moves its model and data to)."""
+    import os
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 _SAMPLE = 1024  # values per parameter in the value checksum
@@ -147,7 +166,7 @@ def fingerprint(graphs: list, params: list[tuple[str, torch.Tensor]], plan: Plan
 def _gather_json(local: dict[str, str], world: int, timeout_s: float) -> list[dict[str, str]]:
     """Every rank's `local` (a dict of strings), sent as JSON bytes in uint8 tensors: never a
     pickle, which would run whatever a peer sent. Waits at most `timeout_s` per exchange."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     data = torch.frombuffer(bytearray(json.dumps(local, sort_keys=True).encode()), dtype=torch.uint8).to(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
@@ -317,7 +336,8 @@ class PipelineExecutor:
         for m, inputs in enumerate(microbatch_inputs):
             runner.start(m, inputs)
         recv_f, recv_b, out_f, out_b, losses = {}, {}, {}, {}, {}
-        loss_grad = torch.tensor(1.0 / self.M)
+        # on the device once per step, not copied host-to-device at every backward chunk
+        loss_grad = torch.tensor(1.0 / self.M, device=self._device())
         self.timeline = []
         t0 = time.perf_counter()
         for a in self.schedule.actions[self.stage]:
@@ -361,7 +381,7 @@ class PipelineExecutor:
             grads = self._received(recv_b.pop(key), f"gradient of micro-batch {m} chunk {i}") \
                 if not self.is_last else []
             self._compute_start = time.perf_counter()
-            rg = runner.backward(m, i, grads, loss_grad=loss_grad.to(self._device()))
+            rg = runner.backward(m, i, grads, loss_grad=loss_grad)
             out_b[key] = [g if g is not None else torch.zeros(
                 a_.concrete_shape(self._local_len(i)), dtype=a_.dtype, device=self._device())
                 for g, a_ in zip(rg, self.program.recvs)]
@@ -444,7 +464,8 @@ class PipelineExecutor:
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
         P = self.mesh.layout.pp
         last = self.mesh.stage_rank(P - 1)
-        loss = loss.detach().reshape(()).to(torch.float32).cpu() if self.is_last else torch.empty(())
+        device = collective_device()  # NCCL sends device tensors only
+        loss = loss.detach().reshape(()).to(device, torch.float32) if self.is_last else torch.empty((), device=device)
         if self.is_last:
             peers = [self.mesh.stage_rank(s) for s in range(P - 1)]
             works = [(dist.isend(loss, r, tag=_TAG_LOSS), r) for r in peers]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from sppo_fx.runtime.skeleton_log import SkeletonLog
 from sppo_fx.skeleton_rows import blocks_read, last_reader, stored_first, window_firsts
 
 
@@ -63,6 +64,12 @@ class BlockStream:
 
     def __iter__(self):
         sk, index = self.skeleton, self.index
+        if sk.log is not None and index:  # one in-order task reads them all from the one file
+            for j in index:
+                sk.bytes_read += sk.nbytes[(2 * self.site, j)] + sk.nbytes[(2 * self.site + 1, j)]
+            yield from sk.log.stream([(sk.blocks[(2 * self.site, j)], sk.blocks[(2 * self.site + 1, j)])
+                                      for j in index])
+            return
         if index:
             sk._prefetch(self.site, index[0])
         for n, j in enumerate(index):
@@ -103,6 +110,8 @@ class KVSkeleton:
         self.nbytes: dict[tuple[int, int], int] = {}
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.bytes_read = self.bytes_held = self.peak_bytes_held = 0
+        # the disk tier: every block once in one file, each stream one in-order read (skeleton_log)
+        self.log = SkeletonLog(store.dir) if self.offload and getattr(store, "tier", None) == "disk" else None
 
     def window(self, site: int) -> int | None:
         return self.windows[site] if site < len(self.windows) else None
@@ -127,7 +136,10 @@ class KVSkeleton:
             x = x[..., first - start:, :].clone()
         self.first_row[(slot, chunk)] = first
         self.nbytes[(slot, chunk)] = x.numel() * x.element_size()
-        self.blocks[(slot, chunk)] = self.store.offload(x, keep=True) if self.offload else x
+        if self.log is not None:
+            self.blocks[(slot, chunk)] = self.log.put(x)
+        else:
+            self.blocks[(slot, chunk)] = self.store.offload(x, keep=True) if self.offload else x
         self.bytes_held += self.nbytes[(slot, chunk)]
         self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
 
@@ -152,7 +164,9 @@ class KVSkeleton:
         if e is None:
             return
         self.bytes_held -= self.nbytes.pop((slot, j), 0)
-        if not isinstance(e, torch.Tensor):
+        if self.log is not None:
+            self.log.drop(e)
+        elif not isinstance(e, torch.Tensor):
             self.store.release(e)
 
     def stream(self, site: int, chunk: int) -> BlockStream:

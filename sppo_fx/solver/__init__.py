@@ -1,4 +1,7 @@
-"""The solver: device profiles (and, later, the budget solver, partitioner, simulator)."""
+"""The solver: device profiles (`profiles`, `profile_cache`), the budget solver (`budget`),
+the chunk partitioner (`partition`), the pipeline chunk solver (`pipeline`) and the
+layout predictions (`layout`, `predict`). The package exports the
+device profiles; import the rest from their modules."""
 from sppo_fx.solver.profiles import PROFILES, DeviceProfile, calibrate, get_profile, profiles_table
 
 __all__ = ["DeviceProfile", "PROFILES", "get_profile", "calibrate", "profiles_table"]

@@ -80,6 +80,7 @@ from sppo_fx.passes import cost as cost_model
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
 from sppo_fx.skeleton_rows import blocks_read, chunk_copy_rows, keeps_no_buffer, kept_first, window_firsts
+from sppo_fx.solver.clock import Clock, StepTerms, attention_seconds, overhead_seconds
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
 from sppo_fx.units import parse_bytes
 
@@ -104,6 +105,7 @@ class MemoryModel:
         recompute: the recompute policy this model describes.
         recompute_fraction: extra compute of that policy, as a fraction of forward time.
         sites: attention sites (the stream buffer of an offloaded skeleton is per site).
+        tensors: chunk-private saved tensors of a chunk (the disk tier writes one file each).
         windowed: per sliding window W of some sites, (W, (c, p) -> K/V bytes of those
             sites' share of a chunk); `level1` counts them too.
     """
@@ -117,6 +119,7 @@ class MemoryModel:
     recompute_fraction: float = 0.0
     sites: int = 1
     windowed: tuple = ()
+    tensors: int = 0
 
     def streamed_level2(self, c, p) -> int:
         """Chunk-private saved bytes with the skeleton offloaded: the chunk's own K/V are saved
@@ -156,7 +159,7 @@ class MemoryModel:
         windowed = tuple((w, at(chunk_cost, None, sympy.Add(*exprs))) for w, exprs in sorted(by_window.items()))
         return cls(at(chunk_cost, "level1_bytes"), at(chunk_cost, "level2_bytes"), fixed_bytes,
                    recomputed=rebuilt, recompute=recompute, recompute_fraction=recompute_fraction,
-                   windowed=windowed)
+                   windowed=windowed, tensors=sum(1 for s in chunk_cost.saved if s.level == 2))
 
 
 def copy_window(mem: MemoryModel, lengths: list[int], skeleton: str = "keep") -> int:
@@ -289,6 +292,7 @@ class BudgetPlan:
     recompute: str = "none"
     skeleton: str = "keep"
     copy_window_bytes: int | None = None
+    terms: StepTerms | None = None
 
 
 def _shared_copy_seconds(nbytes: float, bw: float, cache) -> float:
@@ -302,14 +306,46 @@ def _shared_copy_seconds(nbytes: float, bw: float, cache) -> float:
 
 
 def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
-                  skeleton_reads=None, copies_share_compute: bool = False, cache=None) -> float:
-    fwd = [cost.forward_flops(c, t) / (rate * c / (c + c_half))
-           for c, t in zip(lengths, [sum(lengths[:i]) for i in range(len(lengths))])]
-    total = sum(f * (1 + cost.backward_factor + recompute_fraction) for f in fwd)
+                  skeleton_reads=None, copies_share_compute: bool = False, cache=None, clock=None,
+                  tensors: int = 0, skeleton_blocks=None) -> float:
+    """Predicted step seconds (`step_terms`' total)."""
+    return step_terms(cost, lengths, ratios, l2, rate, c_half, bw, recompute_fraction, skeleton_reads,
+                      copies_share_compute, cache, clock, tensors, skeleton_blocks).total
+
+
+def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
+               skeleton_reads=None, copies_share_compute: bool = False, cache=None, clock=None,
+               tensors: int = 0, skeleton_blocks=None) -> StepTerms:
+    """The step's predicted seconds by term (`solver.clock`): compute, attention (by the
+    calibrated pair cost where `clock` has one, else inside compute's FLOPs), exposed copy,
+    overheads (`clock`'s per-op and per-file costs; `tensors`: saved tensors a chunk
+    offloads, one file each; `skeleton_blocks`: blocks each chunk streams per site and pass,
+    times sites, two files each)."""
+    clock = clock or Clock()
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    scale = 1 + cost.backward_factor + recompute_fraction
+    terms = StepTerms()
+    fwd = []
+    for c, t in zip(lengths, starts):
+        attn = attention_seconds(cost, c, t, clock)
+        flops = cost.forward_flops(c, t) if attn is None else cost.per_token * c
+        f = flops / (rate * c / (c + c_half)) / max(clock.compiled_speedup, 1e-9)
+        terms.compute += f * scale
+        if attn is not None:
+            terms.attention += attn * (1 + recompute_fraction / (1 + cost.backward_factor))
+            f += attn / (1 + cost.backward_factor)  # the forward's share (backward: about twice)
+        fwd.append(f)
+    files = sum(2 * tensors for a in ratios if a > 0)  # written, then read back
+    reads_n = 2 * sum(skeleton_blocks or ())  # forward and backward
+    # a streamed skeleton on disk: one file per step, one in-order read per stream (chunk,
+    # site, pass), `runtime.skeleton_log`; its blocks' attention calls stay per block
+    streams = 2 * sum(1 for b in (skeleton_blocks or ()) if b)
+    terms.overhead = overhead_seconds(cost, len(lengths), files + streams + (1 if reads_n else 0), reads_n, clock)
     if copies_share_compute:  # a CPU: every copy runs on the cores the compute uses
         written = sum(a * x for a, x in zip(ratios, l2))
         read = written + 2 * sum(skeleton_reads or ())  # a streamed prefix is read in fwd and bwd
-        return total + _shared_copy_seconds(written, bw, cache) + _shared_copy_seconds(read, bw, cache)
+        terms.exposed_copy = _shared_copy_seconds(written, bw, cache) + _shared_copy_seconds(read, bw, cache)
+        return terms
     stall = 0.0
     for i, a in enumerate(ratios):
         if a <= 0:
@@ -321,12 +357,14 @@ def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, r
     for i, read in enumerate(skeleton_reads or ()):
         # an offloaded skeleton: chunk i reads its whole prefix back in forward and in backward
         stall += max(read / bw - fwd[i], 0.0) + max(read / bw - fwd[i] * cost.backward_factor, 0.0)
-    return total + stall
+    terms.exposed_copy = stall
+    return terms
 
 
 def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, bandwidth: float,
           c_half: float = 64.0, chunk_counts=None, lengths_for=None, skeletons=("keep",),
-          windowed: bool = True, copies_share_compute: bool = False, cache=None) -> BudgetPlan:
+          windowed: bool = True, copies_share_compute: bool = False, cache=None, clock: Clock | None = None,
+          prefer_kept_skeleton: bool = False) -> BudgetPlan:
     """Choose chunks, offload ratios and a recompute policy that fit `budget` with the
     least predicted time.
 
@@ -350,6 +388,10 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
             of the disk tier (`DeviceProfile.disk_cached_write_bytes_per_s`,
             `disk_cache_bytes`): the bytes a step offloads up to that size cost the cached
             rate, the rest `bandwidth`.
+        clock: per-op, per-file and attention figures (`solver.clock`; None: FLOPs and
+            bandwidths alone).
+        prefer_kept_skeleton: try "offload" only when no plan with the skeleton kept fits;
+            False: every placement in `skeletons` competes on predicted time.
 
     Returns:
         The BudgetPlan. Raises InfeasibleBudget (with the minimum) when nothing fits.
@@ -363,14 +405,14 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
     lengths_for = lengths_for or (lambda n: balanced_lengths(seq_len, n, cost))
     best, minimum = None, None
     for skeleton in skeletons:
-        if skeleton == "offload" and best is not None:
-            break  # the skeleton leaves the device only when the budget requires it
+        if skeleton == "offload" and best is not None and prefer_kept_skeleton:
+            break
         for model in models:
             for n in chunk_counts:
                 if n > seq_len:
                     break
                 plan, floor = _plan_for(cost, model, lengths_for(n), budget, rate, bandwidth, c_half, skeleton,
-                                        windowed, copies_share_compute, cache)
+                                        windowed, copies_share_compute, cache, clock)
                 minimum = floor if minimum is None else min(minimum, floor)
                 if plan is not None and (best is None or plan.step_seconds < best.step_seconds):
                     best = plan
@@ -385,7 +427,7 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
 
 
 def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half, skeleton, windowed=True,
-              copies_share_compute=False, cache=None):
+              copies_share_compute=False, cache=None, clock=None):
     """(the fitting plan for these chunk lengths or None, the least peak any ratios give)."""
     n = len(lengths)
     window = copy_window(model, lengths, skeleton) if windowed else None
@@ -413,9 +455,17 @@ def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half
         window = min(window + (budget - peak) // 2, max(max(l2), window))
         peak = predict_peak(model, lengths, ratios, skeleton, window)
     reads = streamed_skeleton(model, lengths)[1] if skeleton == "offload" else None
-    seconds = _step_seconds(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction, reads,
-                            copies_share_compute, cache)
-    return BudgetPlan(lengths, ratios, peak, seconds, model.recompute, skeleton, window), floor
+    terms = step_terms(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction, reads,
+                       copies_share_compute, cache, clock, model.tensors,
+                       streamed_block_counts(model, lengths) if skeleton == "offload" else None)
+    return BudgetPlan(lengths, ratios, peak, terms.total, model.recompute, skeleton, window, terms), floor
+
+
+def streamed_block_counts(mem: MemoryModel, lengths: list[int]) -> list[int]:
+    """Per chunk, the skeleton blocks it streams in one pass over all sites: every earlier
+    chunk's (a streamed skeleton has causal sites only: `skeleton="offload"` refuses windowed
+    and document sites)."""
+    return [max(1, mem.sites) * i for i in range(len(lengths))]
 
 
 def budget_plan(seq_len: int, chosen: BudgetPlan, budget: int, tier: str) -> Plan:
@@ -423,7 +473,7 @@ def budget_plan(seq_len: int, chosen: BudgetPlan, budget: int, tier: str) -> Pla
     return Plan(seq_len, chosen.lengths, offload_ratios=chosen.ratios, tier=tier, budget_bytes=budget,
                 peak_bytes=chosen.peak_bytes, step_seconds=chosen.step_seconds, recompute=chosen.recompute,
                 copy_window_bytes=chosen.copy_window_bytes,
-                skeleton=chosen.skeleton)
+                skeleton=chosen.skeleton, step_terms=dataclasses.asdict(chosen.terms) if chosen.terms else None)
 
 
 def recompute_fraction(chunk_cost, policy: str) -> float:

@@ -38,11 +38,15 @@ class ChunkCostModel:
         per_token: a, FLOPs per token outside attention (whole model or one stage).
         per_pair: q, FLOPs per causal (query, key) pair, all attention sites.
         backward_factor: backward FLOPs / forward FLOPs.
+        ops: ops of one chunk's forward (the clock's per-op overhead, `solver.clock`).
+        attention: per attention site (batch x heads, head dim): the clock's pair cost.
     """
 
     per_token: float
     per_pair: float
     backward_factor: float = 2.0
+    ops: int = 0
+    attention: tuple = ()
 
     def forward_flops(self, length: int, start: int) -> float:
         return self.per_token * length + self.per_pair * length * (start + (length + 1) / 2)
@@ -52,7 +56,8 @@ class ChunkCostModel:
         return self.per_token * position + self.per_pair * position * (position + 1) / 2
 
     def scaled(self, factor: float) -> "ChunkCostModel":
-        return ChunkCostModel(self.per_token * factor, self.per_pair * factor, self.backward_factor)
+        return ChunkCostModel(self.per_token * factor, self.per_pair * factor, self.backward_factor, self.ops,
+                              tuple((bh * factor, d) for bh, d in self.attention))
 
 
 def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostModel:
@@ -62,21 +67,23 @@ def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostMod
     4·b·h·d per attention site (QK^T and PV).
     """
     from sppo_fx.passes.stage_split import node_flops
-    per_token, per_pair = 0.0, 0.0
+    per_token, per_pair, ops, sites = 0.0, 0.0, 0, []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
+        ops += 1
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
             q = node.args[0].meta["val"]
             b, h, d = int(q.shape[0]), int(q.shape[1]), int(q.shape[-1])
             per_pair += 4.0 * b * h * d
+            sites.append((b * h, d))
             continue
         info = node.meta.get("sppo_seq")
         if info is None or not info.seq_dims:
             continue
         f1, f2 = node_flops(node, seq, 1024), node_flops(node, seq, 2048)
         per_token += max(f2 - f1, 0.0) / 1024
-    return ChunkCostModel(per_token, per_pair)
+    return ChunkCostModel(per_token, per_pair, ops=ops, attention=tuple(sites))
 
 
 def balanced_lengths(seq_len: int, chunks: int, cost: ChunkCostModel) -> list[int]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from sppo_fx.solver.partition import ChunkCostModel
 from sppo_fx.plan import Plan
-from sppo_fx.solver.budget import MemoryModel, _step_seconds, predict_peak
+from sppo_fx.solver.budget import MemoryModel, predict_peak, step_terms, streamed_block_counts
+from sppo_fx.solver.clock import Clock
 
 
 def plan_ratios(plan: Plan, offload: str | None) -> list[float]:
@@ -22,7 +23,7 @@ def plan_ratios(plan: Plan, offload: str | None) -> list[float]:
 
 
 def predict_plan(cost: ChunkCostModel, memory: MemoryModel, plan: Plan, *, offload: str | None, skeleton: str,
-                 profile, device: str) -> tuple[int, float]:
+                 profile, device: str, compiled: bool = True) -> tuple[int, float]:
     """(predicted peak extra bytes, predicted step seconds) of `plan` on one device.
 
     Args:
@@ -33,7 +34,15 @@ def predict_plan(cost: ChunkCostModel, memory: MemoryModel, plan: Plan, *, offlo
         skeleton: "keep" or "offload".
         profile: the DeviceProfile (FLOP rate, chunk efficiency, tier bandwidths).
         device: "cpu" or "cuda" (on a CPU the copies share the compute's cores).
+        compiled: the chunk programs run compiled (the profile's `compiled_speedup` applies).
     """
+    return predict_terms(cost, memory, plan, offload=offload, skeleton=skeleton, profile=profile, device=device,
+                         compiled=compiled)[:2]
+
+
+def predict_terms(cost: ChunkCostModel, memory: MemoryModel, plan: Plan, *, offload: str | None, skeleton: str,
+                  profile, device: str, compiled: bool = True):
+    """`predict_plan`'s (peak, seconds) and the step's `solver.clock.StepTerms`."""
     lengths, ratios = list(plan.chunk_lengths), plan_ratios(plan, offload)
     window = plan.copy_window_bytes
     peak = predict_peak(memory, lengths, ratios, skeleton, window)
@@ -45,6 +54,8 @@ def predict_plan(cost: ChunkCostModel, memory: MemoryModel, plan: Plan, *, offlo
         reads = [sum(l1[:i]) for i in range(len(lengths))]
     bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(offload, float("inf"))
     cache = (profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes) if offload == "disk" else None
-    seconds = _step_seconds(cost, lengths, ratios, l2, profile.flops_per_s, profile.n_half, bandwidth,
-                            memory.recompute_fraction, reads, copies_share_compute=device == "cpu", cache=cache)
-    return int(peak), float(seconds)
+    terms = step_terms(cost, lengths, ratios, l2, profile.flops_per_s, profile.n_half, bandwidth,
+                       memory.recompute_fraction, reads, copies_share_compute=device == "cpu", cache=cache,
+                       clock=Clock.of(profile, compiled, tier=offload), tensors=memory.tensors,
+                       skeleton_blocks=streamed_block_counts(memory, lengths) if skeleton == "offload" else None)
+    return int(peak), float(terms.total), terms

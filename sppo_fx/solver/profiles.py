@@ -60,6 +60,11 @@ class DeviceProfile:
             starts writing back to the disk (Linux: vm.dirty_background_bytes or
             dirty_background_ratio of available memory); beyond it writes go at the
             disk's speed. 0: unknown.
+        op_seconds, file_seconds, attention_pair_seconds, attention_pair_dim_seconds,
+        compiled_speedup: the clock's figures (`solver.clock.Clock`): fixed cost of one op,
+            of one disk-tier file written and read, attention seconds per pair and head
+            (e + d·f), compiled programs' speed over op-by-op ones; 0 (1 for the speedup):
+            unknown, the term is left out.
     """
 
     name: str
@@ -73,6 +78,11 @@ class DeviceProfile:
     source: str = ""
     disk_cached_write_bytes_per_s: float | None = None
     disk_cache_bytes: int = 0
+    op_seconds: float = 0.0
+    file_seconds: float = 0.0
+    attention_pair_seconds: float = 0.0
+    attention_pair_dim_seconds: float = 0.0
+    compiled_speedup: float = 1.0
 
     def efficiency(self, tokens_per_chunk: float) -> float:
         """Fraction of `flops_per_s` reached by a chunk of this many tokens.
@@ -159,6 +169,12 @@ class DeviceProfile:
                 not number(self.disk_cached_write_bytes_per_s) or self.disk_cached_write_bytes_per_s <= 0):
             raise SppoError(f"DeviceProfile disk_cached_write_bytes_per_s={self.disk_cached_write_bytes_per_s!r}: "
                             "give a positive finite rate, or None (unknown)")
+        for field in ("op_seconds", "file_seconds", "attention_pair_seconds", "attention_pair_dim_seconds"):
+            value = getattr(self, field)
+            if not number(value) or value < 0:
+                raise SppoError(f"DeviceProfile {field}={value!r}: give a finite number of seconds >= 0")
+        if not number(self.compiled_speedup) or self.compiled_speedup <= 0:
+            raise SppoError(f"DeviceProfile compiled_speedup={self.compiled_speedup!r}: give a positive finite factor")
         if not number(self.n_half) or self.n_half < 0:
             raise SppoError(f"DeviceProfile n_half={self.n_half!r}: give a finite number of tokens >= 0")
         for field, least in (("memory_bytes", 1), ("disk_cache_bytes", 0)):
@@ -185,6 +201,10 @@ class DeviceProfile:
             *([("disk write, cached", f"{self.disk_cached_write_bytes_per_s / 1e9:.2f} GB/s up to "
                                       f"{self.disk_cache_bytes / GiB:.1f} GiB")]
               if self.disk_cached_write_bytes_per_s else []),
+            *([("clock", f"op {self.op_seconds * 1e6:.1f} us, disk file {self.file_seconds * 1e6:.0f} us, "
+                         f"attention {self.attention_pair_seconds * 1e9:.2f} + d x "
+                         f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head")]
+              if self.op_seconds or self.file_seconds or self.attention_pair_seconds else []),
             ("memory", f"{self.memory_bytes / GiB:.1f} GiB"),
             ("source", self.source),
         ]
@@ -412,7 +432,8 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
               name: str | None = None) -> DeviceProfile:
     """Measure this machine's profile in about `seconds` seconds.
 
-    Measures (budget split roughly 45% matmul, 25% copies, 30% disk):
+    Measures (budget split roughly 45% matmul, 25% copies, 30% disk, then
+    about 30% more for the clock's figures, `clock_calibration`):
       * matmul FLOP/s of [n, d] x [d, d] for several token counts n (fp32 on CPU, bf16 on
         CUDA), fitted to rate(n) = flops_per_s * n / (n + n_half);
       * copy bandwidth: on CPU a memcpy between two buffers (device and host are the same
@@ -483,12 +504,20 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     disk_bytes = 64 * MiB if seconds >= 1.0 else 16 * MiB
     disk_w, disk_r, disk_cached_w = _measure_disk(dir, disk_bytes)
 
+    # The clock's fixed costs and attention (solver/clock.py).
+    from sppo_fx.solver import clock_calibration as cc
+    op_s = cc.op_seconds(0.05 * seconds)
+    file_s = cc.file_seconds(dir, 0.075 * seconds)
+    attn_e, attn_f = cc.attention_pair_seconds(dev, 0.15 * seconds)
+
     elapsed = time.perf_counter() - t_start
     return DeviceProfile(
         name=name or f"calibrated-{dev}", flops_per_s=float(flops), d2h_bytes_per_s=float(d2h),
         h2d_bytes_per_s=float(h2d), disk_write_bytes_per_s=float(disk_w),
         disk_read_bytes_per_s=float(disk_r), memory_bytes=_memory_bytes(dev), n_half=round(float(n_half), 1),
         disk_cached_write_bytes_per_s=float(disk_cached_w), disk_cache_bytes=_page_cache_bytes(),
+        op_seconds=float(op_s), file_seconds=float(file_s), attention_pair_seconds=float(attn_e),
+        attention_pair_dim_seconds=float(attn_f),
         source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, "
                f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")

@@ -37,7 +37,7 @@ def inflight_microbatches(schedule: str, stages: int, microbatches: int, chunks:
 
 def solve_budget(cost, models: list, seq_len: int, budget: int, *, profile, device: str, offload: str | None,
                  skeletons=("keep",), chunk_lengths: list[int] | None = None, inflight: int = 1,
-                 rank: int | None = None, schedule: str | None = None):
+                 rank: int | None = None, schedule: str | None = None, compiled: bool = True):
     """Choose the chunks (unless given), recompute policy, skeleton place and offload ratios
     of one stage program under `budget`.
 
@@ -53,12 +53,14 @@ def solve_budget(cost, models: list, seq_len: int, budget: int, *, profile, devi
             solver chooses them.
         inflight: micro-batches whose activations the stage holds at once (see above).
         rank / schedule: a pipeline rank's index and schedule, named by its messages.
+        compiled: the chunk programs run compiled (the clock's `compiled_speedup` applies).
 
     Returns:
         (the Plan, the MemoryModel of its recompute policy). Raises InfeasibleBudget naming
         the minimum when nothing fits.
     """
     from sppo_fx.solver.budget import budget_plan, solve
+    from sppo_fx.solver.clock import Clock
     bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(offload, float("inf"))
     fixed = models[0].fixed_bytes  # parameter gradients: the same under every policy
     share = fixed + (budget - fixed) // inflight
@@ -68,7 +70,7 @@ def solve_budget(cost, models: list, seq_len: int, budget: int, *, profile, devi
         chosen = solve(cost, models, seq_len, share, rate=profile.flops_per_s, bandwidth=bandwidth,
                        c_half=profile.n_half, skeletons=skeletons, copies_share_compute=device == "cpu",
                        cache=(profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes)
-                       if offload == "disk" else None, **fixed_chunks)
+                       if offload == "disk" else None, clock=Clock.of(profile, compiled, offload), **fixed_chunks)
     except InfeasibleBudget as e:
         if rank is None:
             raise

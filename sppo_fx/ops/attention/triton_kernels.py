@@ -45,13 +45,31 @@ if HAS_TRITON:
             return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
+    def _scores2(qk, rows, cols, PREFIX, qk_scale, cap_in, cap_out, slope2,
+                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+        """Scores in the log2 domain from raw q.k: scale * q.k, or with soft-capping
+        cap * tanh(scale * q.k / cap) (cap_in = scale / cap, cap_out = cap * log2 e), plus
+        ALiBi's slope * (j - i) (slope2 = slope * log2 e); also tanh (for the backward)."""
+        if SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without inf - inf
+            t = 1.0 - 2.0 / (tl.exp(2.0 * (qk * cap_in)) + 1.0)
+            s = t * cap_out
+        else:
+            t = qk
+            s = qk * qk_scale
+        if HAS_ALIBI:
+            s = s + slope2 * (cols - PREFIX - rows).to(tl.float32)
+        return s, t
+
+    @triton.jit
     def _fwd_inner(
         acc, l_i, m_i, q,
         k_base, v_base, stride_kn, stride_vn,
         offs_m, offs_n, offs_d,
-        lo, hi, N, PREFIX, qk_scale,
+        lo, hi, N, PREFIX, qk_scale, cap_in, cap_out, slope2,
         HEAD_DIM: tl.constexpr, CHECK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ):
         """Online-softmax accumulation over key blocks [lo, hi)."""
         for start_n in range(lo, hi, BLOCK_N):
@@ -60,7 +78,8 @@ if HAS_TRITON:
             k = _load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :],
                            cols, N, offs_d, HEAD_DIM, MASKED, CHECK_D)
             # Scores in the log2 domain: s2 = scale * log2(e) * q.k
-            s = _dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST) * qk_scale
+            s, _t = _scores2(_dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST), offs_m[:, None], cols[None, :],
+                             PREFIX, qk_scale, cap_in, cap_out, slope2, SOFTCAP, HAS_ALIBI)
             if MASKED:
                 visible = cols[None, :] < N
                 if CAUSAL:
@@ -84,12 +103,16 @@ if HAS_TRITON:
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_om,
-        H, GROUP, C, N, PREFIX, qk_scale,
+        H, GROUP, C, N, PREFIX, qk_scale, SINKS, SLOPES, cap_in, cap_out,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ):
         """Grid: (cdiv(C, BLOCK_M), B * H).  One program = one query block of one head."""
+        # Inductor passes Python-float kernel args as fp64 (eager Triton as fp32); fp64
+        # scores would turn the loop-carried softmax state and tl.dot's accumulator fp64
+        qk_scale = tl.cast(qk_scale, tl.float32)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         off_b = (pid_bh // H).to(tl.int64)
@@ -100,6 +123,9 @@ if HAS_TRITON:
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
 
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         k_base = K + off_b * stride_kb + off_hk * stride_kh
@@ -109,6 +135,9 @@ if HAS_TRITON:
 
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINK:  # the sink starts the online softmax: a logit of weight exp(sink), value 0
+            m_i = m_i * 0.0 + tl.load(SINKS + off_h).to(tl.float32) * 1.4426950408889634
+            l_i = l_i + 1.0
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
         if CAUSAL:
@@ -120,11 +149,13 @@ if HAS_TRITON:
             full_hi = (N // BLOCK_N) * BLOCK_N
             hi = N
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_m, offs_n, offs_d, 0, full_hi, N, PREFIX, qk_scale,
-                                   HEAD_DIM, CHECK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION, UPCAST)
+                                   offs_m, offs_n, offs_d, 0, full_hi, N, PREFIX, qk_scale, cap_in, cap_out, slope2,
+                                   HEAD_DIM, CHECK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION, UPCAST,
+                                   SOFTCAP, HAS_ALIBI)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_m, offs_n, offs_d, full_hi, hi, N, PREFIX, qk_scale,
-                                   HEAD_DIM, CHECK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION, UPCAST)
+                                   offs_m, offs_n, offs_d, full_hi, hi, N, PREFIX, qk_scale, cap_in, cap_out, slope2,
+                                   HEAD_DIM, CHECK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION, UPCAST,
+                                   SOFTCAP, HAS_ALIBI)
 
         # Every valid row sees at least one key, so l_i > 0 there; guard padding rows.
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -165,9 +196,10 @@ if HAS_TRITON:
     def _bwd_dkdv_inner(
         dk, dv, k, v,
         q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-        cols, offs_d, lo, hi, C, N, PREFIX, qk_scale,
+        cols, offs_d, lo, hi, C, N, PREFIX, qk_scale, cap_in, cap_out, slope2,
         HEAD_DIM: tl.constexpr, CHECK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ):
         """Accumulate dK, dV of one key block over query blocks [lo, hi) (transposed form)."""
         for start_m in range(lo, hi, BLOCK_M):
@@ -184,7 +216,9 @@ if HAS_TRITON:
                 lse = tl.load(lse_base + rows)
                 delta = tl.load(delta_base + rows)
             qkT = _dot(k, tl.trans(q), None, DOT_PRECISION, UPCAST)  # [BLOCK_N, BLOCK_M]
-            pT = tl.math.exp2(qkT * qk_scale - (lse * 1.4426950408889634)[None, :])
+            sT, tT = _scores2(qkT, rows[None, :], cols[:, None], PREFIX, qk_scale, cap_in, cap_out, slope2,
+                              SOFTCAP, HAS_ALIBI)
+            pT = tl.math.exp2(sT - (lse * 1.4426950408889634)[None, :])
             if MASKED:
                 visible = (rows[None, :] < C) & (cols[:, None] < N)
                 if CAUSAL:
@@ -193,6 +227,8 @@ if HAS_TRITON:
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
             dpT = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
             dsT = pT * (dpT - delta[None, :])
+            if SOFTCAP:  # d(cap * tanh(x / cap)) = (1 - tanh^2) dx
+                dsT = dsT * (1.0 - tT * tT)
             dk = _dot(dsT.to(q.dtype), q, dk, DOT_PRECISION, UPCAST)
         return dk, dv
 
@@ -205,13 +241,18 @@ if HAS_TRITON:
         stride_dob, stride_doh, stride_dom,
         stride_dkb, stride_dkh, stride_dkn,
         stride_dvb, stride_dvh, stride_dvn,
-        H, H_KV, GROUP, C, N, PREFIX, scale, qk_scale,
+        H, H_KV, GROUP, C, N, PREFIX, scale, qk_scale, SLOPES, cap_in, cap_out,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ):
         """Grid: (cdiv(N, BLOCK_N), B * H_KV).  One program = one key block of one kv head,
         looping over the GROUP query heads that share it (no atomics needed)."""
+        # Inductor passes Python-float kernel args as fp64 (eager Triton as fp32); fp64
+        # scores would turn the loop-carried softmax state and tl.dot's accumulator fp64
+        qk_scale = tl.cast(qk_scale, tl.float32)
+        scale = tl.cast(scale, tl.float32)
         pid_n = tl.program_id(0)
         pid_bhk = tl.program_id(1)
         off_b = (pid_bhk // H_KV).to(tl.int64)
@@ -246,15 +287,21 @@ if HAS_TRITON:
             q_base = Q + off_b * stride_qb + off_h * stride_qh
             do_base = DO + off_b * stride_dob + off_h * stride_doh
             row0 = (off_b * H + off_h) * C
+            slope2 = 0.0
+            if HAS_ALIBI:
+                slope2 = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row0, DELTA + row0,
                                      stride_qm, stride_dom, cols, offs_d, lo, mid, C, N, PREFIX,
-                                     qk_scale, HEAD_DIM, CHECK_D, BLOCK_M, CAUSAL, True, DOT_PRECISION, UPCAST)
+                                     qk_scale, cap_in, cap_out, slope2, HEAD_DIM, CHECK_D, BLOCK_M, CAUSAL, True,
+                                     DOT_PRECISION, UPCAST, SOFTCAP, HAS_ALIBI)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row0, DELTA + row0,
                                      stride_qm, stride_dom, cols, offs_d, mid, full_end, C, N, PREFIX,
-                                     qk_scale, HEAD_DIM, CHECK_D, BLOCK_M, CAUSAL, False, DOT_PRECISION, UPCAST)
+                                     qk_scale, cap_in, cap_out, slope2, HEAD_DIM, CHECK_D, BLOCK_M, CAUSAL, False,
+                                     DOT_PRECISION, UPCAST, SOFTCAP, HAS_ALIBI)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row0, DELTA + row0,
                                      stride_qm, stride_dom, cols, offs_d, tail, C, C, N, PREFIX,
-                                     qk_scale, HEAD_DIM, CHECK_D, BLOCK_M, CAUSAL, True, DOT_PRECISION, UPCAST)
+                                     qk_scale, cap_in, cap_out, slope2, HEAD_DIM, CHECK_D, BLOCK_M, CAUSAL, True,
+                                     DOT_PRECISION, UPCAST, SOFTCAP, HAS_ALIBI)
 
         dk = dk * scale
         _store_tile(DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :],
@@ -266,9 +313,10 @@ if HAS_TRITON:
     def _bwd_dq_inner(
         dq, q, do, lse2, delta,
         k_base, v_base, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, lo, hi, N, PREFIX, qk_scale,
+        offs_m, offs_n, offs_d, lo, hi, N, PREFIX, qk_scale, cap_in, cap_out, slope2,
         HEAD_DIM: tl.constexpr, CHECK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ):
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -277,7 +325,8 @@ if HAS_TRITON:
                            cols, N, offs_d, HEAD_DIM, MASKED, CHECK_D)
             v = _load_tile(v_base + cols[:, None] * stride_vn + offs_d[None, :],
                            cols, N, offs_d, HEAD_DIM, MASKED, CHECK_D)
-            s = _dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST) * qk_scale
+            s, t = _scores2(_dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST), offs_m[:, None], cols[None, :],
+                            PREFIX, qk_scale, cap_in, cap_out, slope2, SOFTCAP, HAS_ALIBI)
             p = tl.math.exp2(s - lse2[:, None])
             if MASKED:
                 visible = cols[None, :] < N
@@ -286,6 +335,8 @@ if HAS_TRITON:
                 p = tl.where(visible, p, 0.0)
             dp = _dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST)
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * (1.0 - t * t)
             dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION, UPCAST)
         return dq
 
@@ -297,12 +348,17 @@ if HAS_TRITON:
         stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom,
         stride_dqb, stride_dqh, stride_dqm,
-        H, GROUP, C, N, PREFIX, scale, qk_scale,
+        H, GROUP, C, N, PREFIX, scale, qk_scale, SLOPES, cap_in, cap_out,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ):
         """Grid: (cdiv(C, BLOCK_M), B * H).  One program = one query block of one head."""
+        # Inductor passes Python-float kernel args as fp64 (eager Triton as fp32); fp64
+        # scores would turn the loop-carried softmax state and tl.dot's accumulator fp64
+        qk_scale = tl.cast(qk_scale, tl.float32)
+        scale = tl.cast(scale, tl.float32)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         off_b = (pid_bh // H).to(tl.int64)
@@ -323,6 +379,9 @@ if HAS_TRITON:
         k_base = K + off_b * stride_kb + off_hk * stride_kh
         v_base = V + off_b * stride_vb + off_hk * stride_vh
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
 
         if CAUSAL:
             full_hi = (tl.minimum(PREFIX + start_m + 1, N) // BLOCK_N) * BLOCK_N
@@ -331,11 +390,11 @@ if HAS_TRITON:
             full_hi = (N // BLOCK_N) * BLOCK_N
             hi = N
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                           offs_m, offs_n, offs_d, 0, full_hi, N, PREFIX, qk_scale,
-                           HEAD_DIM, CHECK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION, UPCAST)
+                           offs_m, offs_n, offs_d, 0, full_hi, N, PREFIX, qk_scale, cap_in, cap_out, slope2,
+                           HEAD_DIM, CHECK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION, UPCAST, SOFTCAP, HAS_ALIBI)
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                           offs_m, offs_n, offs_d, full_hi, hi, N, PREFIX, qk_scale,
-                           HEAD_DIM, CHECK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION, UPCAST)
+                           offs_m, offs_n, offs_d, full_hi, hi, N, PREFIX, qk_scale, cap_in, cap_out, slope2,
+                           HEAD_DIM, CHECK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION, UPCAST, SOFTCAP, HAS_ALIBI)
         dq = dq * scale
         _store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
                     dq.to(DQ.dtype.element_ty), offs_m, C, offs_d, HEAD_DIM, CHECK_D)

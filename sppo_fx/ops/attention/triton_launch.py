@@ -99,9 +99,17 @@ def _check_head_dim(d: int) -> None:
         raise ValueError(f"the chunk attention Triton kernels support head dims up to 256; got {d}")
 
 
+def _variant_args(q: Tensor, scale: float, softcap: float, slopes) -> tuple:
+    """(slopes tensor or a dummy pointer, cap_in, cap_out, SOFTCAP, HAS_ALIBI) for the kernels."""
+    slopes_t = q if slopes is None else torch.as_tensor(slopes, dtype=torch.float32, device=q.device)
+    cap_in, cap_out = (scale / softcap, softcap * _LOG2E) if softcap else (0.0, 0.0)
+    return slopes_t, cap_in, cap_out, bool(softcap), slopes is not None
+
+
 def _launch_fwd(
     q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, direct: bool,
     block_m: Optional[int] = None, block_n: Optional[int] = None,
+    softcap: float = 0.0, sinks: Optional[Tensor] = None, slopes=None,
 ) -> Tuple[Tensor, Tensor]:
     b, h, c, d = q.shape
     _check_head_dim(d)
@@ -116,15 +124,16 @@ def _launch_fwd(
     grid = (triton.cdiv(c, cfg["BLOCK_M"]), b * h, 1)
     upcast = _needs_upcast(q.dtype)
     kernel = _chunk_attn_fwd_kernel if direct else _wrap_triton(_chunk_attn_fwd_kernel)
+    slopes_t, cap_in, cap_out, has_cap, has_alibi = _variant_args(q, scale, softcap, slopes)
     kernel[grid](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        h, h // h_kv, c, n, n - c, scale * _LOG2E,
+        h, h // h_kv, c, n, n - c, scale * _LOG2E, q if sinks is None else sinks.contiguous(), slopes_t, cap_in, cap_out,
         HEAD_DIM=d, BLOCK_D=block_d, CHECK_D=block_d != d, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype), UPCAST=upcast,
-        **cfg,
+        SOFTCAP=has_cap, HAS_SINK=sinks is not None, HAS_ALIBI=has_alibi, **cfg,
     )
     return out, lse
 
@@ -133,6 +142,7 @@ def _launch_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     dlse: Optional[Tensor], scale: float, causal: bool, direct: bool,
     block_m: Optional[int] = None, block_n: Optional[int] = None,
+    softcap: float = 0.0, slopes=None, delta_out: Optional[list] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     b, h, c, d = q.shape
     _check_head_dim(d)
@@ -151,6 +161,7 @@ def _launch_bwd(
     precision = _dot_precision(q.dtype)
     upcast = _needs_upcast(q.dtype)
     group = h // h_kv
+    slopes_t, cap_in, cap_out, has_cap, has_alibi = _variant_args(q, scale, softcap, slopes)
 
     delta = torch.empty((b, h, c), dtype=torch.float32, device=q.device)
     pre = _chunk_attn_bwd_preprocess_kernel if direct else _wrap_triton(_chunk_attn_bwd_preprocess_kernel)
@@ -172,8 +183,9 @@ def _launch_bwd(
         dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        h, h_kv, group, c, n, n - c, scale, scale * _LOG2E,
-        HEAD_DIM=d, BLOCK_D=block_d, CHECK_D=block_d != d, CAUSAL=causal, DOT_PRECISION=precision, UPCAST=upcast, **cfg,
+        h, h_kv, group, c, n, n - c, scale, scale * _LOG2E, slopes_t, cap_in, cap_out,
+        HEAD_DIM=d, BLOCK_D=block_d, CHECK_D=block_d != d, CAUSAL=causal, DOT_PRECISION=precision, UPCAST=upcast,
+        SOFTCAP=has_cap, HAS_ALIBI=has_alibi, **cfg,
     )
 
     cfg = _kernel_config("dq", q.dtype, block_d, block_m, block_n)
@@ -185,10 +197,38 @@ def _launch_bwd(
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        h, group, c, n, n - c, scale, scale * _LOG2E,
-        HEAD_DIM=d, BLOCK_D=block_d, CHECK_D=block_d != d, CAUSAL=causal, DOT_PRECISION=precision, UPCAST=upcast, **cfg,
+        h, group, c, n, n - c, scale, scale * _LOG2E, slopes_t, cap_in, cap_out,
+        HEAD_DIM=d, BLOCK_D=block_d, CHECK_D=block_d != d, CAUSAL=causal, DOT_PRECISION=precision, UPCAST=upcast,
+        SOFTCAP=has_cap, HAS_ALIBI=has_alibi, **cfg,
     )
+    if delta_out is not None:
+        delta_out.append(delta)
     return dq, dk, dv
+
+
+def launch_variant_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float, sinks: Optional[Tensor],
+                       slopes, direct: bool = False, block_m: Optional[int] = None,
+                       block_n: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Causal chunk attention with soft-capping (0: none), [h] sinks and h ALiBi slopes
+    (`ops/attention/variants.py` states the math) in the Triton kernels: (out, lse), the
+    lse including the sink."""
+    return _launch_fwd(q, k, v, scale, True, direct, block_m, block_n, softcap=softcap, sinks=sinks, slopes=slopes)
+
+
+def launch_variant_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                       softcap: float, sinks: Optional[Tensor], slopes, direct: bool = False,
+                       block_m: Optional[int] = None, block_n: Optional[int] = None):
+    """Gradients of `launch_variant_fwd`: (dq, dk, dv, dsinks or None). The sink is a key
+    with value 0, so its logit's gradient is -sum_i P_sink,i * delta_i (delta = rowsum(dO * O))."""
+    deltas = []
+    dq, dk, dv = _launch_bwd(dout, q, k, v, out, lse, None, scale, True, direct, block_m, block_n,
+                             softcap=softcap, slopes=slopes, delta_out=deltas)
+    dsinks = None
+    if sinks is not None:
+        h = q.shape[1]
+        p_sink = torch.exp(sinks.float().reshape(1, h, 1) - lse.float())
+        dsinks = (-(p_sink * deltas[0])).sum((0, 2)).to(sinks.dtype) if deltas else torch.zeros_like(sinks)
+    return dq, dk, dv, dsinks
 
 
 def _require_triton() -> None:

@@ -50,6 +50,17 @@ ordering, accounting), `tier.py` (the tier interface, device tier), `host.py`, `
 `pool.py` (file pool, recycled read buffers), `records.py` (per-tensor state, errors).
 """
 from sppo_fx.runtime.store.records import StoreError, StoreReadError, StoreWriteError
-from sppo_fx.runtime.store.activation_store import TIERS, ActivationStore, Handle, Scope
+
+_LAZY = {"TIERS", "ActivationStore", "Handle", "Scope"}
+
+
+def __getattr__(name: str):
+    # the store and its tiers (threads, temp files, CUDA streams) load when first used, not
+    # when `import sppo_fx` reaches the errors in records.py
+    if name in _LAZY:
+        from sppo_fx.runtime.store import activation_store
+        return getattr(activation_store, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ActivationStore", "Handle", "Scope", "StoreError", "StoreReadError", "StoreWriteError", "TIERS"]

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import torch
 
 from sppo_fx.errors import SppoError
-from sppo_fx.runtime.store.core import _Core, _discard
+from sppo_fx.runtime.store.core import _Core, _discard, profiled
 from sppo_fx.runtime.store.disk import DiskTier
 from sppo_fx.runtime.store.host import HostTier
 from sppo_fx.runtime.store.records import StoreError, _fmt_bytes, _Record
@@ -263,7 +263,8 @@ class ActivationStore:
             return rec.result
         self.prefetch(handle)
         try:
-            out = rec.read_future.result()
+            with profiled("sppo::copy_wait"):  # the step blocks here: not compute
+                out = rec.read_future.result()
         except BaseException:
             if rec.error is not None:
                 rec.error_seen = True
@@ -319,7 +320,8 @@ class ActivationStore:
                     return
                 oldest = next(iter(self._core.pending))
             try:
-                oldest.result()
+                with profiled("sppo::copy_wait"):
+                    oldest.result()
             except BaseException:  # noqa: BLE001 - surfaced by the handle
                 pass
             _discard(self._core, oldest)  # its callback may not have run yet
@@ -339,7 +341,8 @@ class ActivationStore:
             pending = list(self._core.pending)
         for f in pending:
             try:
-                f.result()
+                with profiled("sppo::copy_wait"):
+                    f.result()
             except BaseException:  # noqa: BLE001 - the step is failing already
                 pass
 

@@ -1,0 +1,110 @@
+"""Measuring the clock's figures (`solver.clock.Clock`) on this machine, for
+`profiles.calibrate`: what one op, one disk-tier file and one attention pair cost.
+
+Each figure is the best of interleaved repetitions (`profiles`' approach: transient load
+from other processes slows some repetitions, never speeds one up).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+
+
+def _best(fn, reps: int, budget_s: float) -> float:
+    """Best seconds of fn() over at least `reps` calls within about `budget_s`."""
+    fn()
+    best, t_end, n = float("inf"), time.perf_counter() + budget_s, 0
+    while n < reps or (time.perf_counter() < t_end and n < 50 * reps):
+        t0 = time.perf_counter()
+        fn()
+        best, n = min(best, time.perf_counter() - t0), n + 1
+    return best
+
+
+def op_seconds(budget_s: float = 0.1) -> float:
+    """Fixed cost of one small op run from Python (dispatch, allocation): what every op of
+    an op-by-op chunk program pays beyond its arithmetic."""
+    import torch
+    a, b = torch.ones(64), torch.ones(64)
+    ops = 100
+
+    def run():
+        x = a
+        for _ in range(ops):
+            x = torch.add(x, b)
+    return _best(run, 3, budget_s) / ops
+
+
+def file_seconds(dir: str | None = None, budget_s: float = 0.15, files: int = 32) -> float:
+    """Fixed cost of one file the disk tier writes and reads back: create, write, close;
+    then open, read, close, remove; each handed to a background thread and waited for, as
+    the store does. A 4 KiB file: the bytes' cost is the bandwidths' business."""
+    work: queue.Queue = queue.Queue()
+    done: queue.Queue = queue.Queue()
+
+    def worker():
+        while True:
+            job = work.get()
+            if job is None:
+                return
+            done.put(job())
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    data = os.urandom(4096)
+    directory = tempfile.mkdtemp(prefix="sppo_calibrate_files_", dir=dir)
+
+    def write(path):
+        def job():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, data)
+            os.close(fd)
+        return job
+
+    def read(path):
+        def job():
+            with open(path, "rb", buffering=0) as f:
+                f.read()
+            os.remove(path)
+        return job
+
+    def run():
+        paths = [os.path.join(directory, f"f{i}") for i in range(files)]
+        for jobs in ([write(p) for p in paths], [read(p) for p in paths]):
+            for job in jobs:  # one at a time: a chunk's offload waits on each in turn
+                work.put(job)
+                done.get()
+    try:
+        return _best(run, 2, budget_s) / files
+    finally:
+        work.put(None)
+        thread.join(5)
+        for name in os.listdir(directory):
+            os.remove(os.path.join(directory, name))
+        os.rmdir(directory)
+
+
+def attention_pair_seconds(device, budget_s: float = 0.3) -> tuple[float, float]:
+    """(e, f): forward + backward seconds of the library's chunk attention per causal
+    (query, key) pair and head, e + d·f at head dim d, fitted at d = 16 and d = 64.
+
+    On a CPU attention is bound by its softmax and memory traffic more than by FLOPs (a head
+    dim of 8 runs at a few percent of the matmul rate), hence a figure of its own."""
+    import torch
+    from sppo_fx.ops.chunk_attention import chunk_attention
+    n, heads = 512, 4
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    per = []
+    for d in (16, 64):
+        q, k, v = (torch.randn(1, heads, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def run():
+            chunk_attention(q, k, v).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        per.append(_best(run, 2, budget_s / 2) / (heads * n * (n + 1) / 2))
+    f = max((per[1] - per[0]) / (64 - 16), 0.0)
+    return max(per[0] - 16 * f, 0.0), f

@@ -1,0 +1,158 @@
+"""The solver's clock (`sppo_fx/solver/clock.py`): its terms on hand-made profiles, the plans
+they make the solver choose, and the benchmark's accuracy summary. No model runs here."""
+import math
+
+import pytest
+
+from sppo_fx.benchmark.report import accuracy
+from sppo_fx.errors import SppoError
+from sppo_fx.plan import Plan
+from sppo_fx.solver.budget import MemoryModel, budget_plan, solve, step_terms
+from sppo_fx.solver.clock import Clock, StepTerms
+from sppo_fx.solver.profiles import DeviceProfile, get_profile
+
+COST = __import__("sppo_fx.solver.partition", fromlist=["ChunkCostModel"]).ChunkCostModel(
+    per_token=1e7, per_pair=1e3, ops=200, attention=((4, 16),))
+# "none" saves a lot (it must offload to fit), "full" saves little at the price of a second forward
+NONE = MemoryModel(level1=lambda c, p: 1024 * c, level2=lambda c, p: 16384 * c, fixed_bytes=1 << 20, sites=2,
+                   tensors=50)
+FULL = MemoryModel(level1=lambda c, p: 1024 * c, level2=lambda c, p: 2048 * c, fixed_bytes=1 << 20, sites=2,
+                   recompute="full", recompute_fraction=1.0, tensors=4)
+T = 4096
+CPU = dict(rate=1e11, c_half=0.0, copies_share_compute=True)
+
+
+def _solve(budget, bandwidth, clock=None, **kw):
+    return solve(COST, [NONE, FULL], T, budget, bandwidth=bandwidth, clock=clock, **{**CPU, **kw})
+
+
+def _shape(plan):
+    return len(plan.lengths), plan.recompute, sum(1 for a in plan.ratios if a > 0)
+
+
+def test_a_faster_disk_gives_a_different_plan():
+    # slow disk: recompute everything rather than write; fast disk: keep it and write
+    slow, fast = _solve(24 << 20, 1e8), _solve(24 << 20, 1e9)
+    assert slow.recompute == "full" and not any(slow.ratios)
+    assert fast.recompute == "none" and any(fast.ratios)
+    assert fast.step_seconds < slow.step_seconds
+
+
+@pytest.mark.parametrize("bandwidth", [1e6, 1e8, 1e10])
+@pytest.mark.parametrize("clock", [Clock(), Clock(op_seconds=1e-3), Clock(file_seconds=1e-2)])
+def test_a_slower_disk_never_exceeds_the_budget(bandwidth, clock):
+    for budget in (20 << 20, 24 << 20, 40 << 20):
+        plan = _solve(budget, bandwidth, clock)
+        assert plan.peak_bytes <= budget
+
+
+def test_the_per_op_overhead_flips_many_chunks_to_few():
+    # without fixed costs many short chunks win (less to offload); at 1 ms an op, one chunk
+    free, costly = _solve(40 << 20, 1e9), _solve(40 << 20, 1e9, Clock(op_seconds=1e-3))
+    assert len(free.lengths) >= 16 and len(costly.lengths) == 1
+    assert costly.terms.overhead == pytest.approx(200 * 3 * 1e-3)
+
+
+def test_the_per_file_cost_flips_offload_to_recompute():
+    free, costly = _solve(24 << 20, 1e9), _solve(24 << 20, 1e9, Clock(file_seconds=1e-2))
+    assert free.recompute == "none" and any(free.ratios)
+    assert costly.recompute == "full" and not any(costly.ratios)
+
+
+def test_the_clock_ranks_a_streamed_skeleton_against_a_kept_one():
+    # at 14 MiB keeping the skeleton needs many chunks, each offloading its saved tensors;
+    # streaming it fits in one chunk. Free files: many chunks win; at 10 ms a file, streaming
+    kw = dict(skeletons=("keep", "offload"))
+    budget = 14 << 20
+    free = _solve(budget, 1e10, **kw)
+    costly = _solve(budget, 1e10, Clock(file_seconds=1e-2), **kw)
+    assert free.skeleton == "keep" and costly.skeleton == "offload"
+    # the old rule (stream only when keeping cannot fit) keeps it, at a higher predicted step
+    old = _solve(budget, 1e10, Clock(file_seconds=1e-2), prefer_kept_skeleton=True, **kw)
+    assert old.skeleton == "keep" and old.step_seconds > costly.step_seconds
+
+
+def test_attention_by_its_pair_cost_is_the_same_for_every_partition():
+    # causal pairs over any partition sum to T (T + 1) / 2
+    clock = Clock(attention_pair_seconds=2e-9, attention_pair_dim_seconds=1e-10)
+    want = T * (T + 1) / 2 * 4 * (2e-9 + 16 * 1e-10)
+    for lengths in ([T], [1024] * 4, [3000, 1000, 96]):
+        terms = step_terms(COST, lengths, [0.0] * len(lengths), [0] * len(lengths), 1e11, 0.0, 1e9, clock=clock)
+        assert terms.attention == pytest.approx(want)
+        # and its FLOPs left the compute term (no double count)
+        assert terms.compute == pytest.approx(COST.per_token * T * 3 / 1e11)
+
+
+def test_without_an_attention_figure_its_flops_count():
+    terms = step_terms(COST, [T], [0.0], [0], 1e11, 0.0, 1e9)
+    assert terms.attention == 0
+    assert terms.compute == pytest.approx(COST.forward_flops(T, 0) * 3 / 1e11)
+
+
+def test_streamed_skeleton_files_grow_with_the_chunks_not_their_square():
+    clock = Clock(file_seconds=1e-3)
+    def overhead(n):
+        lengths = [T // n] * n
+        return step_terms(COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock,
+                          skeleton_blocks=[2 * i for i in range(n)]).overhead
+    # one file per step, one read task per chunk that streams (n - 1) and pass (two)
+    assert overhead(8) == pytest.approx(1e-3 * (1 + 2 * 7))
+    assert overhead(16) == pytest.approx(1e-3 * (1 + 2 * 15))
+
+
+def test_streamed_skeleton_blocks_still_cost_their_attention_calls():
+    clock = Clock(op_seconds=1e-6)
+    def overhead(n):
+        lengths = [T // n] * n
+        return step_terms(COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock,
+                          skeleton_blocks=[2 * i for i in range(n)]).overhead - step_terms(
+            COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock).overhead
+    # blocks read per pass: 2 sites x n (n - 1) / 2; two passes: N^2 by attention's nature
+    assert overhead(16) / overhead(8) == pytest.approx(16 * 15 / (8 * 7))
+
+
+def test_the_plan_prints_its_predicted_terms():
+    chosen = _solve(40 << 20, 1e9, Clock(op_seconds=1e-4))
+    plan = budget_plan(T, chosen, 40 << 20, "disk")
+    text = plan.table()
+    assert "compute" in text and "exposed copy" in text and "overheads" in text
+    assert sum(plan.step_terms.values()) == pytest.approx(plan.step_seconds)
+    assert Plan.from_json(plan.to_json()).step_terms == plan.step_terms
+
+
+def test_clock_of_a_profile_and_its_checks():
+    prof = get_profile("h100")
+    assert Clock.of(prof) == Clock()  # spec profiles: no fixed costs known, terms left out
+    cpu = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, op_seconds=1e-5, file_seconds=1e-4,
+                        compiled_speedup=2.0)
+    assert Clock.of(cpu).file_seconds == 1e-4 and Clock.of(cpu, tier="host").file_seconds == 0
+    assert Clock.of(cpu, compiled=False).compiled_speedup == 1.0
+    bad = dict(cpu.to_dict(), op_seconds=-1.0)
+    with pytest.raises(SppoError, match="op_seconds"):
+        DeviceProfile.from_dict(bad)
+
+
+def test_the_clock_figures_are_measured():
+    from sppo_fx.solver import clock_calibration as cc
+    assert 0 < cc.op_seconds(0.01) < 1e-2
+    assert 0 < cc.file_seconds(budget_s=0.01, files=4) < 1.0
+
+
+def test_accuracy_summary_is_median_and_worst_abs_log():
+    rows = [dict(label="a", step_s=1.0, predicted_step_s=2.0, peak_extra_bytes=100 << 20,
+                 predicted_peak_bytes=100 << 20),
+            dict(label="b", step_s=1.0, predicted_step_s=1.0, peak_extra_bytes=100 << 20,
+                 predicted_peak_bytes=50 << 20),
+            dict(label="c", step_s=4.0, predicted_step_s=1.0, peak_extra_bytes=1, predicted_peak_bytes=1),
+            dict(label="eager", step_s=1.0, peak_extra_bytes=1 << 30),
+            dict(label="d", error="boom")]
+    acc = accuracy(rows)
+    assert acc["step"]["rows"] == 3 and acc["step"]["worst_row"] == "c"
+    assert acc["step"]["median_abs_log"] == pytest.approx(math.log(2))
+    assert acc["step"]["worst_abs_log"] == pytest.approx(math.log(4))
+    assert acc["peak"]["rows"] == 2  # row c's peak is within noise of zero
+    assert acc["peak"]["worst_abs_log"] == pytest.approx(math.log(2))
+
+
+def test_step_terms_total():
+    assert StepTerms(1, 2, 3, 4).total == 10
