@@ -18,59 +18,24 @@ sequence length re-plan the chunks without re-tracing while the traced range all
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
-from sppo_fx.capture import Captured, capture, flatten_call
-from sppo_fx.codegen import CompiledProgram, compile_chunk_program
+from sppo_fx.capture import flatten_call
+from sppo_fx.codegen import CompiledProgram
 from sppo_fx.errors import SppoError
 from sppo_fx.log import get_logger, phase
-from sppo_fx.options import (CompileOptions, check_call_options, check_inputs, check_options, load_plan,
-                             ones_inputs_option, seq_len_of)
-from sppo_fx.passes import transform
-from sppo_fx.passes.mask_values import check_ones_inputs, check_seq_limit
-from sppo_fx.passes.offload import RECOMPUTE_POLICIES
+from sppo_fx.options import CompileOptions, check_inputs, compile_options, seq_len_of
+from sppo_fx.orchestrate import Entry, chunk_plan, plan_call, prepare, stage_product
+from sppo_fx.passes.mask_values import check_ones_inputs
 from sppo_fx.passes.seq_chunk import ChunkedProgram
-from sppo_fx.plan import Plan, even_plan
+from sppo_fx.plan import Plan
 from sppo_fx.runtime.local import chunked_loss
-from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths, cost_model_from_graph
+from sppo_fx.solver.partition import ChunkCostModel
 
-DEFAULT_CHUNKS = 4
 log = get_logger(__name__)
-
-
-@dataclasses.dataclass
-class _Entry:
-    captured: Captured
-    graph: fx.GraphModule
-    program: ChunkedProgram
-    cost: ChunkCostModel | None = None
-    memory: dict = dataclasses.field(default_factory=dict)  # recompute policy -> solver.budget.MemoryModel
-    budget_plans: dict = dataclasses.field(default_factory=dict)
-    programs: dict = dataclasses.field(default_factory=dict)  # (recompute, skeleton, >1 chunk) -> CompiledProgram
-    verified: bool = False  # verify=True has compared this entry's program with the model
-
-    def memory_program(self, options: "CompileOptions", recompute: str, skeleton: str = "keep",
-                       chunks: int = 2) -> CompiledProgram:
-        """The compiled chunk program (memory passes: offload nodes with `options.offload`,
-        `recompute` regions, in-graph gradient accumulation; with skeleton="offload" the
-        K/V prefix streamed from the skeleton), one per (policy, skeleton), compiled only
-        when a plan uses it. With more than one chunk, chunk 0 (`chunk_start` 0) runs the
-        program's AOTAutograd graphs instead of a second Inductor compile
-        (codegen/inductor.py, `eager_empty_prefix`)."""
-        key = (recompute, skeleton, chunks > 1)
-        prog = self.programs.get(key)
-        if prog is None:
-            from sppo_fx.runtime.local import streamed_chunk
-            gm = self.program.chunk if skeleton == "keep" else streamed_chunk(self.program)
-            prog = compile_chunk_program(gm, backend="inductor" if options.compile else "eager",
-                                         offload=options.offload is not None, recompute=recompute,
-                                         eager_empty_prefix=chunks > 1)
-            self.programs[key] = prog
-        return prog
 
 
 class SppoCompiled:
@@ -83,7 +48,7 @@ class SppoCompiled:
     def __init__(self, model: torch.nn.Module | None, fn: Callable | None, options: CompileOptions):
         self._model, self._fn, self.options = model, fn, options
         self._cache: dict = {}
-        self._last: _Entry | None = None
+        self._last: Entry | None = None
         self.plan: Plan | None = None
         self.pipeline = None
         self._last_chunk_fn = None  # what ran the chunks in the last call
@@ -100,24 +65,7 @@ class SppoCompiled:
             cost: the model's chunk cost; with partition="balanced" the chunks get equal
                 FLOPs (without it, or with partition="even", equal lengths).
         """
-        o = self.options
-        if o.partition not in ("balanced", "even"):
-            raise SppoError(f"partition={o.partition!r}: use 'balanced' or 'even'")
-        if o.plan is not None:
-            if o.plan.seq_len != seq_len:
-                raise SppoError(f"the given plan covers {o.plan.seq_len} tokens but the sequence has {seq_len}; "
-                                "make a plan for this sequence length (sppo-fx plan --seq-len ...)")
-            return o.plan
-        if o.chunk_lengths is not None:
-            if o.chunks is not None and o.chunks != len(o.chunk_lengths):
-                raise SppoError(f"chunks={o.chunks} disagrees with {len(o.chunk_lengths)} chunk_lengths; "
-                                "give one of them")
-            return Plan(seq_len, list(o.chunk_lengths))
-        n = min(DEFAULT_CHUNKS, seq_len) if o.chunks is None else o.chunks
-        plan = even_plan(seq_len, n)
-        if cost is not None and o.partition == "balanced":
-            plan = Plan(seq_len, balanced_lengths(seq_len, n, cost))
-        return plan
+        return chunk_plan(self.options, seq_len, cost)
 
     # ---- calling --------------------------------------------------------------------
     def __call__(self, *args, target=None, **kwargs):
@@ -140,34 +88,21 @@ class SppoCompiled:
         seq_len = lengths[0]
         if any(n != seq_len for n in lengths):
             raise SppoError(f"inputs disagree on the sequence length: {lengths}")
-        check_seq_limit(entry.graph, seq_len)  # masks proven only up to a length (positions in a narrow dtype)
-        check_ones_inputs(entry.graph, tensors)  # inputs the program assumes all ones (passes/ones_inputs.py)
-        plan = self._budget_plan(entry, seq_len) if self.options.budget is not None else self.plan_for(seq_len, entry.cost)
+        plan, self.profile = plan_call(entry, self.options, seq_len, tensors, self.profile)
         if self.options.verify and not entry.verified:
             self._verify(model, entry, (args, kwargs, target), plan)
             entry.verified = True
         self.plan = plan
         return self._run(entry, tensors, plan)
 
-    def _run(self, entry: "_Entry", tensors: list[torch.Tensor], plan: Plan) -> torch.Tensor:
+    def _run(self, entry: Entry, tensors: list[torch.Tensor], plan: Plan) -> torch.Tensor:
         """The chunked loss of one call under `plan` (its backward fills the model's .grad)."""
-        cap = entry.captured
-        params = [cap.param_value(name) for name in entry.program.params]
-        quota = None
-        skeleton = plan.skeleton or ("keep" if self.options.skeleton == "auto" else self.options.skeleton)
-        if plan.offload_ratios is not None:
-            memory = entry.memory[plan.recompute]
-            level2 = memory.streamed_level2 if skeleton == "offload" else memory.level2
-            quota = {(0, i): a * level2(c, s) for i, (a, c, s) in
-                     enumerate(zip(plan.offload_ratios, plan.chunk_lengths, plan.starts))}
-        recompute = plan.recompute or ("none" if self.options.recompute == "auto" else self.options.recompute)
-        chunk_fn = None  # None: the chunk GraphModule runs op by op under eager autograd
-        if self.options.compile or self.options.offload is not None or recompute != "none" or skeleton != "keep":
-            chunk_fn = entry.memory_program(self.options, recompute, skeleton, plan.num_chunks)
-        self._last_chunk_fn = chunk_fn
-        return chunked_loss(entry.program, params, tensors, plan, chunk_fn, self.store, quota, skeleton=skeleton)
+        p = stage_product(entry, self.options, plan)
+        self._last_chunk_fn = p.chunk_fn
+        return chunked_loss(p.program, p.params, tensors, p.plan, p.chunk_fn, self.store, p.offload,
+                            skeleton=p.skeleton)
 
-    def _verify(self, model, entry: "_Entry", call: tuple, plan: Plan) -> None:
+    def _verify(self, model, entry: Entry, call: tuple, plan: Plan) -> None:
         """verify=True on one stage: the plan's first chunks of this batch through the chunk
         program and through the model; raises SppoError at the first difference."""
         from sppo_fx.verify import SavedGrads, compare, fail, prefix_call, prefix_plan, reference
@@ -182,49 +117,6 @@ class SppoCompiled:
                 ref_loss, ref = reference(model, self._fn, self.options.loss_fn, [prefix])
             fail(compare(list(model.named_parameters()), got, ref, loss.item(), ref_loss),
                  f"the first {short.seq_len} tokens of this batch")
-
-    def _budget_plan(self, entry: "_Entry", seq_len: int) -> Plan:
-        """Solve the budget for this sequence length (cached per length)."""
-        cached = entry.budget_plans.get(seq_len)
-        if cached is not None:
-            return cached
-        from sppo_fx.solver.budget import budget_plan, memory_models, solve
-        from sppo_fx.solver.clock import Clock
-        from sppo_fx.solver.profile_cache import device_profile
-        o = self.options
-        policies = RECOMPUTE_POLICIES if o.recompute == "auto" else (o.recompute,)
-        missing = [r for r in policies if r not in entry.memory]
-        if missing:
-            params = [entry.captured.param_value(n) for n in entry.program.params]
-            # its phases: "memory model: saved activations under recompute ... (AOTAutograd
-            # partitions)" when traced, "memory model: read from cache" when stored
-            # (passes/cost/saved_cache.py)
-            for model in memory_models(entry.program, entry.captured.seq, params, missing):
-                entry.memory[model.recompute] = model
-        device = next((entry.captured.param_value(n).device.type for n in entry.program.params), "cpu")
-        profile = self.profile or device_profile(device, dir=o.offload_dir)
-        self.profile = profile
-        if o.compile and device == "cpu":
-            # after the memory model, whose two traces take both cores (passes/cost/saved_cache.py),
-            # and after a calibration, whose matmuls it would slow: the probe's compiles overlap
-            # the solver and chunk 0's trace (codegen/inductor.py)
-            from sppo_fx.codegen.inductor import start_cpu_probe
-            start_cpu_probe()
-        bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(o.offload, float("inf"))
-        # the skeleton can only leave the device for a tier
-        skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
-        with phase(f"solving the budget for {seq_len} tokens", log):
-            chosen = solve(entry.cost, [entry.memory[r] for r in policies], seq_len, o.budget,
-                           rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half,
-                           skeletons=skeletons, copies_share_compute=device == "cpu",
-                           cache=(profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes)
-                           if o.offload == "disk" else None, clock=Clock.of(profile, o.compile, o.offload))
-        plan = budget_plan(seq_len, chosen, o.budget, o.offload)
-        log.info("plan: %d chunks, recompute %s, K/V skeleton %s, predicted peak %.1f MiB of %.1f MiB, "
-                 "predicted step %.3g s", len(plan.chunk_lengths), plan.recompute, plan.skeleton,
-                 plan.peak_bytes / 2**20, plan.budget_bytes / 2**20, plan.step_seconds)
-        entry.budget_plans[seq_len] = plan
-        return plan
 
     @property
     def store(self):
@@ -244,7 +136,8 @@ class SppoCompiled:
         under the schedule; every rank returns the loss, and each parameter's gradient is
         accumulated into `.grad` on the ranks whose stage uses it.
         """
-        from sppo_fx.runtime.pipeline import build_pipeline, data_shares, pipeline_step, split_microbatches
+        from sppo_fx.orchestrate import build_rank
+        from sppo_fx.runtime.pipeline import data_shares, pipeline_step, split_microbatches, start
         o = self.options
         model = self._model
         if self._fn is not None:
@@ -269,29 +162,25 @@ class SppoCompiled:
         key = ("pipeline", id(model), tuple((tuple(t.shape), t.dtype) for t in tensors))
         state = self._cache.get(key)
         if state is None:
-            factory = None  # build_pipeline gives it the recompute policy (a budget's rank plan chooses it)
-            if o.compile or o.offload or o.budget is not None or o.recompute not in ("auto", "none"):
-                factory = functools.partial(compile_chunk_program, backend="inductor" if o.compile else "eager",
-                                            offload=o.offload is not None)
             first = not any(isinstance(k, tuple) and k[0] == "pipeline" for k in self._cache)
-            state = build_pipeline(model, self._fn, o, mbs, self, mesh, factory, self.store,
-                                   check_values=first)
-            check_seq_limit(state.graph, seq_len)  # masks proven only up to a length (narrow dtypes)
+            state = build_rank(model, self._fn, o, mbs, mesh, check_values=first)
+            state.executor = start(state.product, mesh, self.store, o.timeout_s)
             check_ones_inputs(state.graph, (args, kwargs, target))  # before verify's step
             if o.verify:
-                self._verify_pipeline(model, (args, kwargs, target), mesh, state, factory)
+                self._verify_pipeline(model, (args, kwargs, target), mesh, state)
             self._cache[key] = state
         check_ones_inputs(state.graph, (args, kwargs, target))  # every step: inputs assumed all ones
         self.plan = state.plan
         self.pipeline = state
-        return pipeline_step(state, mbs)
+        return pipeline_step(state.executor, mbs)
 
-    def _verify_pipeline(self, model, call: tuple, mesh, state, factory) -> None:
+    def _verify_pipeline(self, model, call: tuple, mesh, state) -> None:
         """verify=True on several ranks: the plan's first chunks of this batch through a
         pipeline built for them (same layout, schedule and chunk lengths) and through the
         model on every rank; every rank raises the same SppoError at the first difference
         found on any rank. Collective."""
-        from sppo_fx.runtime.pipeline import build_pipeline, data_shares, pipeline_step, split_microbatches
+        from sppo_fx.orchestrate import build_rank
+        from sppo_fx.runtime.pipeline import data_shares, pipeline_step, split_microbatches, start
         from sppo_fx.verify import SavedGrads, agree, compare, fail, prefix_call, prefix_plan, reference
         o = self.options
         short = prefix_plan(state.plan)
@@ -300,9 +189,9 @@ class SppoCompiled:
             every = split_microbatches(*prefix, o.microbatches)
             options = dataclasses.replace(o, plan=short, budget=None, chunks=None, chunk_lengths=None)
             with SavedGrads(model) as saved:
-                prefix_state = build_pipeline(model, self._fn, options, data_shares(every, mesh), self, mesh,
-                                              factory, self.store, check_values=False)
-                loss = pipeline_step(prefix_state, data_shares(every, mesh))
+                prefix_state = build_rank(model, self._fn, options, data_shares(every, mesh), mesh, check_values=False)
+                executor = start(prefix_state.product, mesh, self.store, o.timeout_s)
+                loss = pipeline_step(executor, data_shares(every, mesh))
                 got = saved.take()
                 ref_loss, ref = reference(model, self._fn, o.loss_fn, every)
             cap = prefix_state.captured
@@ -327,7 +216,7 @@ class SppoCompiled:
             self._mesh = mesh
         return self._mesh
 
-    def _entry(self, model, args, kwargs, target, leaves, spec, slots, tensors) -> _Entry:
+    def _entry(self, model, args, kwargs, target, leaves, spec, slots, tensors) -> Entry:
         seq_dim = self.options.seq_dim
         key_shapes = tuple((tuple(s if i != seq_dim else -1 for i, s in enumerate(t.shape)), t.dtype,
                             t.device.type) for t in tensors)
@@ -342,28 +231,13 @@ class SppoCompiled:
                 self._last = entry
                 return entry
         self.plan_for(seq_len_of(tensors, seq_dim))  # fail before tracing
-        if self.options.compile and self.options.budget is None and any(t.device.type == "cpu" for t in tensors):
-            from sppo_fx.codegen.inductor import start_cpu_probe
-            start_cpu_probe()  # overlaps capture (codegen/inductor.py); with a budget: `_budget_plan`
-        try:
-            with phase("capturing the model (torch.export)", log):
-                cap = capture(model, self._fn, self.options.loss_fn, args, kwargs, target, seq_dim)
-            with phase("graph passes (masks, sequence analysis, chunk program)", log):
-                graph, program = transform(cap, log=self.options.log_passes, ones_inputs=self.options.ones_inputs)
-        except SppoError as e:
-            if seq_dim == 1:
-                raise
-            raise type(e)(f"{e} (the inputs are chunked along seq_dim={seq_dim}: is that their sequence "
-                          "dim?)") from e
-        with phase("cost model (FLOPs and saved bytes per chunk)", log):
-            cost = cost_model_from_graph(graph, cap.seq)
-        entry = _Entry(cap, graph, program, cost)
+        entry = prepare(model, self._fn, self.options, (args, kwargs, target), tensors)
         self._cache[key] = entry
         self._last = entry
         return entry
 
     # ---- inspection -----------------------------------------------------------------
-    def _require_entry(self) -> _Entry:
+    def _require_entry(self) -> Entry:
         if self._last is None:
             raise SppoError("nothing compiled yet: call the compiled model once with example inputs")
         return self._last
@@ -395,21 +269,15 @@ class SppoCompiled:
         the budget solver's memory and time models, also for plans the solver did not
         choose (fixed chunks, a manual `offload` tier). Builds the memory model of the
         plan's recompute policy if no budget did (AOTAutograd traces: seconds)."""
-        from sppo_fx.solver.budget import memory_models
+        from sppo_fx.orchestrate.stage import device_profile, memory_models
         from sppo_fx.solver.predict import predict_plan
-        from sppo_fx.solver.profile_cache import device_profile
         e, o = self._require_entry(), self.options
         if self.plan.peak_bytes is not None and self.plan.step_seconds is not None:
             return self.plan.peak_bytes, self.plan.step_seconds
-        recompute = self.plan.recompute or ("none" if o.recompute == "auto" else o.recompute)
-        if recompute not in e.memory:
-            params = [e.captured.param_value(n) for n in e.program.params]
-            (e.memory[recompute],) = memory_models(e.program, e.captured.seq, params, (recompute,))
-        device = next((e.captured.param_value(n).device.type for n in e.program.params), "cpu")
-        self.profile = self.profile or device_profile(device, dir=o.offload_dir)
-        skeleton = self.plan.skeleton or ("keep" if o.skeleton == "auto" else o.skeleton)
-        return predict_plan(e.cost, e.memory[recompute], self.plan, offload=o.offload, skeleton=skeleton,
-                            profile=self.profile, device=device, compiled=o.compile)
+        (memory,) = memory_models(e, (o.recompute_for(self.plan),))
+        self.profile = device_profile(e, o, self.profile)
+        return predict_plan(e.cost, memory, self.plan, offload=o.offload, skeleton=o.skeleton_for(self.plan),
+                            profile=self.profile, device=e.device(), compiled=o.compile)
 
     @property
     def mesh(self):
@@ -503,51 +371,13 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         An `SppoCompiled` callable: `compiled(*args, target=None, **kwargs) -> loss`, or a
         decorator when `model` is omitted.
     """
-    check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir)
-    check_call_options(seq_dim=seq_dim, partition=partition, loss_fn=loss_fn, compile=compile, log_passes=log_passes,
-                       split_points=split_points, mesh=mesh, verify=verify)
-    if budget is not None:
-        from sppo_fx.solver.budget import parse_budget
-        budget = parse_budget(budget)
-        if stages == 1 and (chunks is not None or chunk_lengths is not None):
-            raise SppoError("give either budget= (the solver chooses the chunks) or chunks=/chunk_lengths=")
-        offload = offload or "disk"
-    if chunk_lengths is not None:
-        chunk_lengths = [int(c) for c in chunk_lengths]
-    if recompute != "auto" and recompute not in RECOMPUTE_POLICIES:
-        raise SppoError(f"recompute={recompute!r}: choose 'auto' or one of {RECOMPUTE_POLICIES}")
-    if skeleton not in ("auto", "keep", "offload"):
-        raise SppoError(f"skeleton={skeleton!r}: choose 'auto', 'keep' or 'offload'")
-    if skeleton == "offload" and offload is None:
-        raise SppoError("skeleton='offload' moves the K/V skeleton to an offload tier: give offload='disk' "
-                        "(or 'host'), or a budget (which offloads to 'disk' by default)")
-    if skeleton == "offload" and int(stages) > 1:
-        raise SppoError("skeleton='offload' is not supported with pipeline stages yet (stages > 1): "
-                        "use skeleton='keep' or 'auto'")
-    from sppo_fx.runtime.mesh import ParallelMesh
-    if mesh is not None:
-        if (stages, data_parallel, seq_parallel) != (1, 1, 1):
-            raise SppoError("give either mesh= or stages / data_parallel / seq_parallel, not both")
-        stages = ParallelMesh.layout_of(mesh).pp
-    for name, value in (("seq_parallel", seq_parallel), ("data_parallel", data_parallel)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SppoError(f"{name}={value!r}: give a positive integer")
-    if budget is not None and (seq_parallel > 1 or (mesh is not None and ParallelMesh.layout_of(mesh).sp > 1)):
-        raise SppoError("budget= with seq_parallel > 1 is not supported yet (the per-rank solver does not model the "
-                        "sharded chunk program's memory): give chunks= and, if needed, offload=")
-    if skeleton == "offload" and seq_parallel > 1:
-        raise SppoError("skeleton='offload' is not supported with seq_parallel > 1 yet: use skeleton='keep' or 'auto'")
-    if plan is not None:
-        plan = load_plan(plan)
-        if chunks is not None or chunk_lengths is not None or budget is not None:
-            raise SppoError("give either plan= or chunks / chunk_lengths / budget (the plan fixes the chunks)")
-    options = CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths,
-                             seq_dim=seq_dim, budget=budget, log_passes=log_passes, compile=compile,
-                             stages=int(stages), microbatches=int(microbatches), schedule=schedule,
-                             split_points=list(split_points) if split_points else None, timeout_s=float(timeout_s),
-                             partition=partition, offload=offload, offload_dir=offload_dir, recompute=recompute,
-                             skeleton=skeleton, seq_parallel=int(seq_parallel), data_parallel=int(data_parallel),
-                             mesh=mesh, plan=plan, verify=verify, ones_inputs=ones_inputs_option(ones_inputs))
+    options = compile_options(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths, seq_dim=seq_dim,
+                              budget=budget, log_passes=log_passes, compile=compile, stages=stages,
+                              microbatches=microbatches, schedule=schedule, split_points=split_points,
+                              timeout_s=timeout_s, partition=partition, offload=offload, offload_dir=offload_dir,
+                              recompute=recompute, skeleton=skeleton, seq_parallel=seq_parallel,
+                              data_parallel=data_parallel, mesh=mesh, plan=plan, verify=verify,
+                              ones_inputs=ones_inputs)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

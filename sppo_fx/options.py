@@ -95,6 +95,16 @@ class CompileOptions:
             return ParallelMesh.layout_of(self.mesh)
         return Layout(self.stages, self.data_parallel, self.seq_parallel)
 
+    def recompute_for(self, plan: Plan) -> str:
+        """The recompute policy a chunk program runs under `plan`: the budget plan's choice,
+        else the option ("auto" without a budget means "none")."""
+        return plan.recompute or ("none" if self.recompute == "auto" else self.recompute)
+
+    def skeleton_for(self, plan: Plan) -> str:
+        """Where the K/V skeleton lives under `plan`: the budget plan's choice, else the
+        option ("auto" without a budget means "keep")."""
+        return plan.skeleton or ("keep" if self.skeleton == "auto" else self.skeleton)
+
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -140,6 +150,67 @@ def load_plan(plan) -> Plan:
             raise SppoError(f"plan= has chunk_lengths={lengths!r}: give a list of whole token counts")
         return Plan.from_json(text)
     raise SppoError(f"plan= takes a Plan, its JSON or a JSON file's path, got {type(plan).__name__}")
+
+
+SKELETON_OPTIONS = ("auto", "keep", "offload")
+
+
+def compile_options(*, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None, log_passes=None,
+                    compile=True, stages=1, microbatches=1, schedule="1f1b", split_points=None,  # noqa: A002
+                    timeout_s=60.0, partition="balanced", offload=None, offload_dir=None, recompute="auto",
+                    skeleton="auto", seq_parallel=1, data_parallel=1, mesh=None, plan=None,
+                    verify=False, ones_inputs=("attention_mask",)) -> CompileOptions:
+    """The checked `CompileOptions` of `sppo_fx.compile`'s arguments: every option, alone and
+    with the others, is checked here, before any capture, solve or compile; an option no
+    call could use raises SppoError naming it and what to give."""
+    check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir)
+    check_call_options(seq_dim=seq_dim, partition=partition, loss_fn=loss_fn, compile=compile, log_passes=log_passes,
+                       split_points=split_points, mesh=mesh, verify=verify)
+    if chunk_lengths is not None:
+        chunk_lengths = [int(c) for c in chunk_lengths]
+        if chunks is not None and chunks != len(chunk_lengths):
+            raise SppoError(f"chunks={chunks} disagrees with {len(chunk_lengths)} chunk_lengths; give one of them")
+    if budget is not None:
+        from sppo_fx.solver.budget import parse_budget
+        budget = parse_budget(budget)
+        if stages == 1 and (chunks is not None or chunk_lengths is not None):
+            raise SppoError("give either budget= (the solver chooses the chunks) or chunks=/chunk_lengths=")
+        offload = offload or "disk"
+    from sppo_fx.passes.offload import RECOMPUTE_POLICIES
+    if recompute != "auto" and recompute not in RECOMPUTE_POLICIES:
+        raise SppoError(f"recompute={recompute!r}: choose 'auto' or one of {RECOMPUTE_POLICIES}")
+    if skeleton not in SKELETON_OPTIONS:
+        raise SppoError(f"skeleton={skeleton!r}: choose 'auto', 'keep' or 'offload'")
+    if skeleton == "offload" and offload is None:
+        raise SppoError("skeleton='offload' moves the K/V skeleton to an offload tier: give offload='disk' "
+                        "(or 'host'), or a budget (which offloads to 'disk' by default)")
+    if skeleton == "offload" and int(stages) > 1:
+        raise SppoError("skeleton='offload' is not supported with pipeline stages yet (stages > 1): "
+                        "use skeleton='keep' or 'auto'")
+    from sppo_fx.runtime.mesh import ParallelMesh
+    if mesh is not None:
+        if (stages, data_parallel, seq_parallel) != (1, 1, 1):
+            raise SppoError("give either mesh= or stages / data_parallel / seq_parallel, not both")
+        stages = ParallelMesh.layout_of(mesh).pp
+    for name, value in (("seq_parallel", seq_parallel), ("data_parallel", data_parallel)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SppoError(f"{name}={value!r}: give a positive integer")
+    if budget is not None and (seq_parallel > 1 or (mesh is not None and ParallelMesh.layout_of(mesh).sp > 1)):
+        raise SppoError("budget= with seq_parallel > 1 is not supported yet (the per-rank solver does not model the "
+                        "sharded chunk program's memory): give chunks= and, if needed, offload=")
+    if skeleton == "offload" and seq_parallel > 1:
+        raise SppoError("skeleton='offload' is not supported with seq_parallel > 1 yet: use skeleton='keep' or 'auto'")
+    if plan is not None:
+        plan = load_plan(plan)
+        if chunks is not None or chunk_lengths is not None or budget is not None:
+            raise SppoError("give either plan= or chunks / chunk_lengths / budget (the plan fixes the chunks)")
+    return CompileOptions(loss_fn=loss_fn, chunks=chunks, chunk_lengths=chunk_lengths, seq_dim=seq_dim, budget=budget,
+                          log_passes=log_passes, compile=compile, stages=int(stages), microbatches=int(microbatches),
+                          schedule=schedule, split_points=list(split_points) if split_points else None,
+                          timeout_s=float(timeout_s), partition=partition, offload=offload, offload_dir=offload_dir,
+                          recompute=recompute, skeleton=skeleton, seq_parallel=int(seq_parallel),
+                          data_parallel=int(data_parallel), mesh=mesh, plan=plan, verify=verify,
+                          ones_inputs=ones_inputs_option(ones_inputs))
 
 
 def check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout_s, offload, offload_dir):

@@ -24,6 +24,20 @@ def tiny_program(kind):
     return model, cap, program
 
 
+_OFFLOAD_PROGRAMS: dict = {}
+
+
+def offload_program(program, skeleton="keep"):
+    """`program`'s chunk program with offload nodes run eagerly (with skeleton="offload":
+    streamed from the skeleton), as the orchestrator compiles it for a store; built once
+    per program and mode (the key holds the chunk graph, so its id is not reused)."""
+    from sppo_fx.orchestrate import compile_chunk
+    key = (id(program.chunk), skeleton)
+    if key not in _OFFLOAD_PROGRAMS:
+        _OFFLOAD_PROGRAMS[key] = (program.chunk, compile_chunk(program, skeleton=skeleton))
+    return _OFFLOAD_PROGRAMS[key][1]
+
+
 @functools.lru_cache(maxsize=None)
 def _tiny_program(kind):
     from sppo_fx.capture import capture

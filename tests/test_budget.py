@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import StoreTraffic, tiny_program
+from conftest import StoreTraffic, offload_program, tiny_program
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -156,8 +156,8 @@ def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, 
     offload = {(0, i): (float("inf") if q is None else q) for i, q in enumerate(quotas[:plan.num_chunks])}
     with ActivationStore("disk", dir=str(tmp_path_factory.mktemp("store")), reuse_files=reuse) as store:
         traffic = StoreTraffic(store)
-        loss = chunked_loss(program, params, [x, y], plan, store=store, offload=offload, min_offload_bytes=0,
-                            copy_window_bytes=window)
+        loss = chunked_loss(program, params, [x, y], plan, offload_program(program), store=store, offload=offload,
+                            min_offload_bytes=0, copy_window_bytes=window)
         got = grads_of(loss)
         assert store.bytes_offloaded == 0
     assert torch.equal(loss, ref_loss)

@@ -107,8 +107,8 @@ def test_what_a_chunk_would_compute_differently_is_refused(mode, match):
 
 
 def test_fewer_tokens_than_chunks_is_refused_before_tracing(monkeypatch):
-    import sppo_fx.api as api
-    monkeypatch.setattr(api, "capture", lambda *a, **k: pytest.fail("traced before checking the plan"))
+    import sppo_fx.orchestrate.stage as stage  # the orchestrator captures
+    monkeypatch.setattr(stage, "capture", lambda *a, **k: pytest.fail("traced before checking the plan"))
     x = torch.randint(0, 97, (1, 5))
     with pytest.raises(SppoError, match="fewer than chunks=7: use chunks <= 5"):
         sppo_fx.compile(build("gpt"), chunks=7)(x, x)

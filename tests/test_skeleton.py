@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_program
+from conftest import offload_program, tiny_program
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -193,8 +193,8 @@ def test_random_plans_with_the_skeleton_on_disk_are_bitwise_neutral(tmp_path_fac
     results = []
     for tier in ("device", "disk"):
         with ActivationStore(tier, dir=str(tmp_path_factory.mktemp("store"))) as store:
-            loss = chunked_loss(program, params, [x, y], plan, store=store, offload=offload, min_offload_bytes=0,
-                                skeleton="offload")
+            loss = chunked_loss(program, params, [x, y], plan, offload_program(program, "offload"), store=store,
+                                offload=offload, min_offload_bytes=0, skeleton="offload")
             loss.backward()
             results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
             model.zero_grad(set_to_none=True)

@@ -21,11 +21,10 @@ number of micro-batches; the distributed executor drives one per rank, and
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 
-from sppo_fx.codegen import CompiledProgram, compile_chunk_program
+from sppo_fx.codegen import CompiledProgram
 from sppo_fx.errors import SppoError
 from sppo_fx.ops.offload import MatmulGrad, active_memory
 from sppo_fx.ops.seq_parallel import active_split
@@ -37,24 +36,7 @@ from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
 import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 
 
-_EAGER_OFFLOAD_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 SKELETON_MODES = ("keep", "offload")
-
-
-def _eager_offload_program(program: ChunkedProgram, skeleton: str = "keep"):
-    """The chunk program with offload nodes (and, with skeleton="offload", a streamed K/V
-    prefix), run eagerly (one per program and mode, traced once)."""
-    progs = _EAGER_OFFLOAD_PROGRAMS.setdefault(program.chunk, {})
-    if skeleton not in progs:
-        gm = program.chunk if skeleton == "keep" else streamed_chunk(program)
-        progs[skeleton] = compile_chunk_program(gm, backend="eager", offload=True)
-    return progs[skeleton]
-
-
-def streamed_chunk(program: ChunkedProgram):
-    """The chunk program with its K/V prefix in the skeleton (`passes.skeleton`)."""
-    from sppo_fx.passes.skeleton import stream_kv_skeleton
-    return stream_kv_skeleton(program.chunk, len(program.attention))
 
 
 def _streams_skeleton(chunk_fn) -> bool:
@@ -95,8 +77,8 @@ class StageRunner:
         plan: the chunk partition of every micro-batch.
         chunk_fn: what runs the chunk program (the GraphModule, or a
             `codegen.CompiledProgram`). With a store it must be a CompiledProgram built with
-            offload=True (its graphs carry the offload/wait nodes); None then builds one that
-            runs AOTAutograd's graphs eagerly.
+            offload=True (its graphs carry the offload/wait nodes:
+            `sppo_fx.orchestrate.compile_chunk(program)`).
         needs_grad: build autograd graphs (False for evaluation).
         store: the ActivationStore that offloaded chunks' saved activations go to.
         offload: which (micro-batch, chunk) pairs offload their saved activations (level 2:
@@ -109,7 +91,8 @@ class StageRunner:
         skeleton: where the K/V skeleton lives: "keep" (device buffers, passed to the chunk
             program as its prefix inputs) or "offload" (the store's tier, streamed into the
             attention one prefix chunk at a time; needs `store` and a chunk program from
-            `passes.skeleton.stream_kv_skeleton`, or chunk_fn=None to build one).
+            `passes.skeleton.stream_kv_skeleton`:
+            `sppo_fx.orchestrate.compile_chunk(program, skeleton="offload")`).
         copy_window_bytes: bound on offload copies in flight (`runtime.memory.CopyWindow`);
             default: the plan's `copy_window_bytes` (None there: unbounded).
         sp_rank: with a sequence-parallel program (`program.seq_parallel` = S > 1), this
@@ -143,17 +126,13 @@ class StageRunner:
         if skeleton == "offload":
             if store is None:
                 raise SppoError("skeleton='offload' needs an ActivationStore (store=...) to offload the K/V to")
-            if chunk_fn is None:
-                chunk_fn = _eager_offload_program(program, "offload")
-            elif not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload and _streams_skeleton(chunk_fn)):
+            if not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload and _streams_skeleton(chunk_fn)):
                 # offload=True also keeps Inductor from reusing the buffers sppo.kv_out hands over
                 raise SppoError("skeleton='offload' needs a chunk program compiled with offload=True from "
-                                "sppo_fx.passes.skeleton.stream_kv_skeleton(program.chunk, ...)")
+                                "the streamed chunk: sppo_fx.orchestrate.compile_chunk(program, skeleton='offload')")
         elif store is not None and needs_grad and not (isinstance(chunk_fn, CompiledProgram) and chunk_fn.offload):
-            if chunk_fn is not None:
-                raise SppoError("offloading needs a chunk program compiled with offload=True "
-                                "(sppo_fx.codegen.compile_chunk_program(gm, offload=True))")
-            chunk_fn = _eager_offload_program(program)
+            raise SppoError("offloading needs a chunk program compiled with offload=True "
+                            "(sppo_fx.orchestrate.compile_chunk(program, offload=True))")
         self.chunk_fn = chunk_fn if chunk_fn is not None else program.chunk
         # CompiledPrograms' graphs call sppo.* ops that need a ChunkMemory per chunk
         self.memory_graphs = isinstance(self.chunk_fn, CompiledProgram)

@@ -1,26 +1,27 @@
-"""One pipeline rank's budget plan: the single-stage budget solver (`solver/budget.py`)
-applied to this rank's stage program.
+"""The one budget solve of a stage program: one stage (`stages=1`) and every pipeline
+rank call `solve_budget` with explicit arguments (sppo_fx/orchestrate/).
 
-The chunk lengths are shared by every rank (they fix the communication); each rank
-chooses its own recompute policy and offload ratios from its stage's memory models and
-its device profile, exactly as `SppoCompiled._budget_plan` (sppo_fx/api.py) does for one
-stage: every recompute policy when `recompute="auto"`, the CPU copy model (copies share
-the compute's cores) and the OS page cache in front of the disk tier.
+One stage: the solver (`solver/budget.py`) chooses the chunk lengths, the recompute policy
+(every policy when `recompute="auto"`), the K/V skeleton's place and the offload ratios,
+with the CPU copy model (copies share the compute's cores) and the OS page cache in front
+of the disk tier.
 
-A stage holds the activations of several micro-batches at once (those the schedule has
-in flight on it); its parameter gradients exist once. So the solver plans one
-micro-batch's sequence against
+A pipeline rank: the chunk lengths are shared by every rank (they fix the communication);
+each rank chooses its own recompute policy and offload ratios for its stage. A stage
+holds the activations of several micro-batches at once (those the schedule has in flight
+on it); its parameter gradients exist once. So the solver plans one micro-batch's
+sequence against
 
     share = fixed + (budget - fixed) / inflight        (fixed: the stage's parameter gradients)
 
 and the rank's predicted peak is fixed + inflight * (sequence peak - fixed), an upper
-bound as long as no more than `inflight` micro-batches hold activations at once.
+bound as long as no more than `inflight` micro-batches hold activations at once (with
+one micro-batch in flight both are the single-stage budget and peak).
 """
 from __future__ import annotations
 
 from sppo_fx.errors import InfeasibleBudget
-from sppo_fx.log import get_logger, phase
-from sppo_fx.passes.offload import RECOMPUTE_POLICIES
+from sppo_fx.log import get_logger
 from sppo_fx.plan import Plan
 
 log = get_logger(__name__)
@@ -34,67 +35,71 @@ def inflight_microbatches(schedule: str, stages: int, microbatches: int, chunks:
     return min(microbatches, -(-(warmup + 1) // chunks))
 
 
-def chunk_recompute(options, plan: Plan) -> str:
-    """The recompute policy this rank's chunk program runs: the budget plan's choice, else
-    the option ("auto" without a budget means "none")."""
-    if plan.recompute:
-        return plan.recompute
-    return "none" if options.recompute == "auto" else options.recompute
-
-
-def rank_budget_plan(options, program, cap, params, plan: Plan, world: int, rank: int, microbatches: int, cost,
-                     profile=None):
-    """Solve this rank's recompute policy and offload ratios for its stage under `options.budget`.
+def solve_budget(cost, models: list, seq_len: int, budget: int, *, profile, device: str, offload: str | None,
+                 skeletons=("keep",), chunk_lengths: list[int] | None = None, inflight: int = 1,
+                 rank: int | None = None, schedule: str | None = None, compiled: bool = True):
+    """Choose the chunks (unless given), recompute policy, skeleton place and offload ratios
+    of one stage program under `budget`.
 
     Args:
-        options: the CompileOptions (budget, recompute, offload, offload_dir, schedule).
-        program / cap / params: this rank's stage program, the captured model, and the
-            tensors of the program's parameter placeholders.
-        plan: the chunk plan every rank shares.
-        world / rank / microbatches: the pipeline's shape.
-        cost: the whole model's chunk cost model (this stage does 1/world of it).
-        profile: the DeviceProfile (default: this machine's, stored or calibrated once,
-            `solver.profile_cache.device_profile`).
+        cost: the stage's ChunkCostModel (a pipeline rank's: the model's scaled to its stage).
+        models: the stage program's MemoryModels, one per recompute policy to consider.
+        seq_len / budget: tokens of one sequence; device bytes a step may add.
+        profile: the DeviceProfile (compute rate, copy bandwidths, page cache).
+        device: the device type the program runs on ("cpu" shares cores with the copies).
+        offload: the tier ("disk", "host", "device").
+        skeletons: the K/V skeleton places to consider.
+        chunk_lengths: fixed chunk lengths (a pipeline's, shared by every rank); None: the
+            solver chooses them.
+        inflight: micro-batches whose activations the stage holds at once (see above).
+        rank / schedule: a pipeline rank's index and schedule, named by its messages.
+        compiled: the chunk programs run compiled (the clock's `compiled_speedup` applies).
 
     Returns:
-        (this rank's Plan, {(micro-batch, chunk): offload byte quota}). Raises
-        InfeasibleBudget naming this rank's minimum when nothing fits.
+        (the Plan, the MemoryModel of its recompute policy). Raises InfeasibleBudget naming
+        the minimum when nothing fits.
     """
-    from sppo_fx.solver.budget import budget_plan, memory_models, solve
-    from sppo_fx.solver.profile_cache import device_profile
-    policies = RECOMPUTE_POLICIES if options.recompute == "auto" else (options.recompute,)
-    with phase(f"rank {rank}: memory model of its stage under recompute {'/'.join(policies)} (AOTAutograd "
-               "partitions)", log):
-        models = memory_models(program, cap.seq, params, policies)
-    device = next((t.device.type for t in params), "cpu")
-    profile = profile or device_profile(device, dir=options.offload_dir)
-    bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(options.offload,
-                                                                                           float("inf"))
-    inflight = inflight_microbatches(options.schedule, world, microbatches, plan.num_chunks, rank)
+    from sppo_fx.solver.budget import budget_plan, solve
+    from sppo_fx.solver.clock import Clock
+    bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(offload, float("inf"))
     fixed = models[0].fixed_bytes  # parameter gradients: the same under every policy
-    share = fixed + (options.budget - fixed) // inflight
+    share = fixed + (budget - fixed) // inflight
+    fixed_chunks = {} if chunk_lengths is None else dict(chunk_counts=[len(chunk_lengths)],
+                                                         lengths_for=lambda n: list(chunk_lengths))
     try:
-        chosen = solve(cost.scaled(1.0 / world), models, plan.seq_len, share,
-                       rate=profile.flops_per_s, bandwidth=bandwidth, c_half=profile.n_half,
-                       chunk_counts=[plan.num_chunks], lengths_for=lambda n: list(plan.chunk_lengths),
-                       copies_share_compute=device == "cpu",
+        chosen = solve(cost, models, seq_len, share, rate=profile.flops_per_s, bandwidth=bandwidth,
+                       c_half=profile.n_half, skeletons=skeletons, copies_share_compute=device == "cpu",
                        cache=(profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes)
-                       if options.offload == "disk" else None)
+                       if offload == "disk" else None, clock=Clock.of(profile, compiled, offload), **fixed_chunks)
     except InfeasibleBudget as e:
+        if rank is None:
+            raise
         minimum = fixed + inflight * (e.minimum_bytes - fixed)
         raise InfeasibleBudget(
-            f"budget {options.budget / 2**20:.1f} MiB is below the minimum pipeline rank {rank} needs for its "
-            f"stage: {minimum / 2**20:.1f} MiB ({inflight} micro-batches of {plan.seq_len} tokens in flight "
-            f"under schedule {options.schedule!r}, chunks {plan.chunk_lengths}, every chunk but the last "
-            f"offloaded; recompute policies tried: {', '.join(policies)}). Raise the budget to at least "
-            f"{minimum / 2**20:.1f} MiB, use more stages, or shorten the sequence",
+            f"budget {budget / 2**20:.1f} MiB is below the minimum pipeline rank {rank} needs for its "
+            f"stage: {minimum / 2**20:.1f} MiB ({inflight} micro-batches of {seq_len} tokens in flight "
+            f"under schedule {schedule!r}, chunks {chunk_lengths}, every chunk but the last "
+            f"offloaded; recompute policies tried: {', '.join(m.recompute for m in models)}). Raise the budget "
+            f"to at least {minimum / 2**20:.1f} MiB, use more stages, or shorten the sequence",
             minimum) from e
-    chosen.peak_bytes = fixed + inflight * (chosen.peak_bytes - fixed)
-    rank_plan = budget_plan(plan.seq_len, chosen, options.budget, options.offload)
-    log.info("rank %d plan: recompute %s, offload ratios %s, predicted peak %.1f MiB of %.1f MiB (%d micro-batches "
-             "in flight)", rank, rank_plan.recompute, [round(a, 3) for a in rank_plan.offload_ratios],
-             rank_plan.peak_bytes / 2**20, options.budget / 2**20, inflight)
-    mem = next(m for m in models if m.recompute == chosen.recompute)
-    quota = {(m, i): a * mem.level2(c, s) for m in range(microbatches)
-             for i, (a, c, s) in enumerate(zip(rank_plan.offload_ratios, plan.chunk_lengths, plan.starts))}
-    return rank_plan, quota
+    if inflight != 1:
+        chosen.peak_bytes = fixed + inflight * (chosen.peak_bytes - fixed)
+    plan = budget_plan(seq_len, chosen, budget, offload)
+    if rank is None:
+        log.info("plan: %d chunks, recompute %s, K/V skeleton %s, predicted peak %.1f MiB of %.1f MiB, "
+                 "predicted step %.3g s", len(plan.chunk_lengths), plan.recompute, plan.skeleton,
+                 plan.peak_bytes / 2**20, plan.budget_bytes / 2**20, plan.step_seconds)
+    else:
+        log.info("rank %d plan: recompute %s, offload ratios %s, predicted peak %.1f MiB of %.1f MiB (%d "
+                 "micro-batches in flight)", rank, plan.recompute, [round(a, 3) for a in plan.offload_ratios],
+                 plan.peak_bytes / 2**20, budget / 2**20, inflight)
+    return plan, next(m for m in models if m.recompute == chosen.recompute)
+
+
+def offload_quota(plan: Plan, memory, skeleton: str = "keep", microbatches: int = 1) -> dict:
+    """{(micro-batch, chunk): bytes} each chunk offloads under a budget plan: its ratio of
+    the chunk's saved activations (`memory`: the MemoryModel of the plan's recompute policy;
+    with the skeleton streamed, the chunk saves what the streamed program saves)."""
+    level2 = memory.streamed_level2 if skeleton == "offload" else memory.level2
+    return {(m, i): a * level2(c, s) for m in range(microbatches)
+            for i, (a, c, s) in enumerate(zip(plan.offload_ratios, plan.chunk_lengths, plan.starts))}
