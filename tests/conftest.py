@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,12 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from sppo_fx._compat import symbolic_dispatch
 
 RTOL, ATOL = 1e-4, 1e-5
+
+# Modules the tests import and the rank scripts they start live in tests/helpers/ once the
+# tests sit in folders (docs/testing.md); before that they sit beside this file.
+_HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+if os.path.isdir(_HELPERS) and _HELPERS not in sys.path:
+    sys.path.insert(0, _HELPERS)
 
 
 def tiny_program(kind):

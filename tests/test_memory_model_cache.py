@@ -162,8 +162,9 @@ def test_a_new_process_reads_the_memory_model_this_one_stored(tmp_path, monkeypa
     first = train_tiny_llama_with_a_budget()
     assert "AOTAutograd partitions" in first and "read from cache" not in first, first
     assert len(_stored(tmp_path)) == 2  # the example chunk and the first chunk
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = (f"import sys; sys.path.insert(0, {here!r}); "
+    import conftest  # this file's folder and conftest's: they differ once tests sit in folders
+    paths = [os.path.dirname(os.path.abspath(p)) for p in (__file__, conftest.__file__)]
+    script = (f"import sys; sys.path[:0] = {paths!r}; "
               "from test_memory_model_cache import train_tiny_llama_with_a_budget as t; print(t())")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPPO_FX_LOG")}
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
