@@ -199,6 +199,7 @@ def test_records_round_trip_and_compare(tmp_path):
         report.load_record(str(tmp_path / "bad.json"))
 
 
+@pytest.mark.slow
 def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     """A tiny grid in worker processes: eager and checkpointing beside library rows without
     a budget, with one (recompute fixed to keep the solver quick), and the former grid's

@@ -47,6 +47,7 @@ def test_chunk_zero_skips_inductor_only_with_later_chunks(monkeypatch, tmp_path,
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunk_zero_traced_at_its_sizes_then_one_dynamic_program(monkeypatch):
     """Chunk 0 of new sizes: traced exactly for the first EXACT_SIZES sizes, then one
     dynamic-shape program (Dynamo, AOTAutograd's graphs) serves every further size; a size

@@ -51,6 +51,7 @@ def test_env_var_shows_phases_and_pass_graphs():
     assert "def forward" in debug  # the graph's code itself
 
 
+@pytest.mark.slow
 def test_budget_phases_logged_at_info_and_profile_stored(caplog, tmp_path, monkeypatch):
     monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("SPPO_FX_RECALIBRATE", raising=False)

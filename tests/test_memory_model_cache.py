@@ -154,6 +154,7 @@ def train_tiny_llama_with_a_budget() -> str:
     return f"phases {names}\nplan {compiled.plan.chunk_lengths} {compiled.plan.recompute} loss {loss.item():.6f}"
 
 
+@pytest.mark.slow
 def test_a_new_process_reads_the_memory_model_this_one_stored(tmp_path, monkeypatch):
     """This process stores the memory model; a new one with the same SPPO_FX_CACHE_DIR traces
     nothing for it, and plans and trains the same."""

@@ -170,6 +170,7 @@ def test_mistral_window_exact_for_chunks_shorter_equal_and_longer_than_the_windo
     assert [s.window for s in compiled.program.attention] == [16, 16]
 
 
+@pytest.mark.slow
 def test_mistral_window_compiled_by_inductor():
     model = _family("mistral", window=10, layers=1)
     ids = torch.randint(0, 101, (1, 40))

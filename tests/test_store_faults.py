@@ -22,6 +22,7 @@ def _files(d):
     return sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "inductor"])
 def test_full_disk_mid_step_fails_cleanly_and_the_next_step_works(tmp_path, monkeypatch, compile_):
     model = build("llama", "tiny")
