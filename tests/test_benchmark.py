@@ -275,6 +275,7 @@ def test_a_timed_out_row_says_which_plan_it_was_running():
     assert _timed_out(5, last)["error"] == "timed out after 5 s (plan: 2 chunks, predicted step 1 s)"
 
 
+@pytest.mark.slow
 def test_first_step_script_records_its_commit_and_load(tmp_path):
     """bench/first_step.py runs each configuration in its own process and writes a record
     that says which code it measured and how loaded the machine was (eager only: seconds)."""

@@ -268,6 +268,7 @@ def test_plans_the_solver_did_not_choose_are_predicted_by_its_models():
     assert peak_kept == predict_peak(memory, kept.plan.chunk_lengths, [0.0] * 4)
 
 
+@pytest.mark.slow
 def test_one_trace_partitioned_per_policy_equals_a_trace_per_policy(monkeypatch, tmp_path):
     """The memory model traces the chunk program once (plus the first chunk) and partitions
     that joint graph once per recompute policy (`chunk_costs`); each policy's saved set

@@ -26,6 +26,7 @@ def _record_backends(monkeypatch) -> list:
     return asked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks, skeleton, traces", [(3, "keep", 1), (1, "keep", 0), (3, "offload", 1)])
 def test_chunk_zero_skips_inductor_only_with_later_chunks(monkeypatch, tmp_path, chunks, skeleton, traces):
     """With the K/V skeleton offloaded every chunk's prefix handle is an empty tensor, so
@@ -99,6 +100,7 @@ def test_a_compiled_first_call_starts_inductors_cpu_probe_on_another_thread(monk
     assert called == ["sppo_fx-inductor-cpu-probe"]
 
 
+@pytest.mark.slow
 def test_a_budgeted_first_call_starts_the_probe_after_the_memory_model(monkeypatch):
     """With a budget the probe starts once the memory model is known (its two traces take
     both cores, passes/cost/saved_cache.py) and the device profile too (a calibration's

@@ -76,6 +76,7 @@ def test_a_second_lookup_reads_the_file_and_does_not_trace(cold, tmp_path, caplo
     assert len(cold) == 1
 
 
+@pytest.mark.slow
 def test_another_program_policy_or_example_is_traced(cold, tmp_path):
     program, seq, params = _llama()
     base = _lookup(program, seq, params, partition="min_cut", recomputes=("none",))
@@ -175,6 +176,7 @@ def test_a_new_process_reads_the_memory_model_this_one_stored(tmp_path, monkeypa
     assert second.splitlines()[-1] == first.splitlines()[-1]  # same plan, same loss
 
 
+@pytest.mark.slow
 @needs_fork
 @pytest.mark.parametrize("cache", ["on", "off"])
 def test_the_first_chunk_traced_in_a_forked_process_gives_the_same_model(cold, tmp_path, monkeypatch, cache):
