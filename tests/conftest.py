@@ -163,6 +163,10 @@ def pytest_collection_modifyitems(config, items):
     for key in stale:  # the case was renamed: say so rather than let it run in the quick tier
         item = next(i for i in items if i.path.name == key.split("::")[0])
         item.warn(pytest.PytestWarning(f"conftest.SLOW_CASES names {key}, which no longer exists"))
+    # Files with slow tests first, each file's tests in their order: xdist hands the long
+    # tests out early, rather than one worker finishing a long test alone at the end.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture
