@@ -39,3 +39,17 @@ def test_every_marker_the_tests_use_is_registered():
     registered = {m.split(":")[0].strip() for m in ini["markers"]}
     assert {"slow", "distributed", "cuda"} <= registered
     assert "--strict-markers" in ini["addopts"]
+
+
+def test_files_that_start_rank_processes_mark_them_distributed():
+    """A test file that launches ranks (runtime.launch, the program fuzzer's run_sp) says so
+    with the distributed marker, so `-m "not distributed"` leaves it out."""
+    unmarked = []
+    for dirpath, dirs, files in os.walk(os.path.join(ROOT, "tests")):
+        for f in files:
+            if f.startswith("test_") and f.endswith(".py"):
+                src = open(os.path.join(dirpath, f)).read()
+                if re.search(r"\b(start_local_ranks|run_local_ranks|run_sp)\(", src) and \
+                        "pytest.mark.distributed" not in src:
+                    unmarked.append(f)
+    assert not unmarked, f"mark the tests that start ranks with @pytest.mark.distributed in: {sorted(unmarked)}"
