@@ -234,6 +234,7 @@ def solve_min(compiled, seq_len):
     raise AssertionError("a 1-byte budget was feasible")
 
 
+@pytest.mark.slow
 def test_memory_models_of_a_model_on_another_device():
     """The cost model's fake inputs go on the model's device: on an H200 a CUDA model failed
     here ("Tensor on device cpu is not on the expected device cuda:0", at RoPE's

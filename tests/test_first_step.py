@@ -82,6 +82,7 @@ def test_chunk_zero_traced_at_its_sizes_then_one_dynamic_program(monkeypatch):
     assert asked.count("inductor") <= 2  # the later chunks: one dynamic program (training, no_grad)
 
 
+@pytest.mark.slow
 def test_a_compiled_first_call_starts_inductors_cpu_probe_on_another_thread(monkeypatch):
     """Inductor's one-time CPU vector-ISA probe (seconds of subprocesses) runs on a background
     thread from the start of the first call (no budget), overlapping capture."""

@@ -34,11 +34,13 @@ def _run(env_extra: dict) -> subprocess.CompletedProcess:
     return res
 
 
+@pytest.mark.slow
 def test_library_use_is_quiet_by_default():
     res = _run({})
     assert "sppo_fx" not in res.stderr and "capturing" not in res.stderr, res.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_env_var_shows_phases_and_pass_graphs():
     info = _run({"SPPO_FX_LOG": "info"}).stderr
     assert "[sppo_fx] capturing the model (torch.export)…" in info

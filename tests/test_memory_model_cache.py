@@ -54,6 +54,7 @@ def _stored(tmp_path):
     return sorted((tmp_path / "memory_model").glob("*.json")) if (tmp_path / "memory_model").exists() else []
 
 
+@pytest.mark.slow
 def test_a_second_lookup_reads_the_file_and_does_not_trace(cold, tmp_path, caplog):
     program, seq, params = _llama()
     caplog.set_level(logging.INFO, logger="sppo_fx")
@@ -114,6 +115,7 @@ def test_another_program_policy_or_example_is_traced(cold, tmp_path):
     assert len(cold) == 3
 
 
+@pytest.mark.slow
 def test_off_neither_reads_nor_writes(cold, tmp_path, monkeypatch):
     program, seq, params = _llama()
     monkeypatch.setenv("SPPO_FX_MEMORY_MODEL_CACHE", "off")
@@ -123,6 +125,7 @@ def test_off_neither_reads_nor_writes(cold, tmp_path, monkeypatch):
     assert _fields(first) == _fields(again)
 
 
+@pytest.mark.slow
 def test_a_corrupt_file_is_traced_again_and_replaced(cold, tmp_path):
     program, seq, params = _llama()
     first = _lookup(program, seq, params, recomputes=("none",))

@@ -283,6 +283,7 @@ def windowed_skeleton():
     return _skeleton_measured_and_predicted(W_MODEL, [VIEWS, LONG_VIEWS, COPIES, SHORT])
 
 
+@pytest.mark.slow
 def test_predicted_skeleton_bytes_equal_the_runtime_and_stay_bounded_by_the_window(windowed_skeleton):
     """The memory model's kept skeleton equals what the runtime holds, byte for byte, in
     each case of `skeleton_rows.keeps_no_buffer`: chunks of W (views: nothing kept, at T = 4W
