@@ -203,6 +203,7 @@ def test_window_prefix_and_its_gradients_stay_within_the_window(monkeypatch):
     assert grads and max(grads) <= 7
 
 
+@pytest.mark.slow
 def test_window_skeleton_bytes_do_not_grow_with_the_sequence(monkeypatch):
     """T = 4W and 16W, same chunks: the K/V skeleton held at the end of the forward (its
     peak: the backward only frees it) is the same for a windowed model, while a causal one's

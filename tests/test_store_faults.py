@@ -93,6 +93,7 @@ def test_a_truncated_offload_file_is_detected_on_read(tmp_path):
     store.close()
 
 
+@pytest.mark.slow
 def test_leftovers_of_a_killed_process_are_swept_and_only_those(tmp_path):
     code = (f"import os, torch; from sppo_fx.runtime.store import ActivationStore\n"
             f"s = ActivationStore('disk', dir={str(tmp_path)!r}); h = s.offload(torch.ones(1 << 16)); s.synchronize()\n"
