@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite. Extra arguments go to pytest.
+# Set up (if needed) and run the whole test suite. Extra arguments go to pytest:
+#   ./scripts/test.sh -m "not slow"     the development tier (no Inductor compiles, rank
+#                                       launches or long runs; docs/testing.md)
+#   ./scripts/test.sh tests/test_seqdim.py -x     one file
+# Markers (pyproject.toml): slow, distributed (starts rank processes), cuda (needs a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -161,6 +161,7 @@ def test_records_round_trip_and_compare(tmp_path):
         report.load_record(str(tmp_path / "bad.json"))
 
 
+@pytest.mark.slow
 def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     """A tiny grid in worker processes: eager and checkpointing beside library rows without
     a budget, with one (recompute fixed to keep the solver quick), and the former grid's
@@ -236,6 +237,7 @@ def test_a_timed_out_row_says_which_plan_it_was_running():
     assert _timed_out(5, last)["error"] == "timed out after 5 s (plan: 2 chunks, predicted step 1 s)"
 
 
+@pytest.mark.slow
 def test_first_step_script_records_its_commit_and_load(tmp_path):
     """bench/first_step.py runs each configuration in its own process and writes a record
     that says which code it measured and how loaded the machine was (eager only: seconds)."""

@@ -78,6 +78,7 @@ def test_fp32_model_under_bf16_autocast_within_twice_eager_error(kind):
     _check(eager, sppo, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False], ids=["bf16-model"])  # autocast: same path, ~1 min more
 def test_bf16_offload_is_bitwise_neutral(autocast, tmp_path):
     torch.manual_seed(0)
@@ -96,6 +97,7 @@ def test_bf16_offload_is_bitwise_neutral(autocast, tmp_path):
         assert torch.equal(grads2[name], g), name
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16-model", "fp32-autocast"])
 def test_bf16_on_cuda_within_twice_eager_bf16_error(autocast):

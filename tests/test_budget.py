@@ -129,6 +129,7 @@ def test_plan_with_offload_round_trips_and_prints():
         Plan(10, [6, 4], offload_ratios=[1.5, 0.0])
 
 
+@pytest.mark.slow
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["gpt", "llama"]), cuts=st.sets(st.integers(1, 63), min_size=1, max_size=5),
@@ -173,6 +174,7 @@ def test_random_offload_plans_are_bitwise_neutral(tmp_path_factory, kind, cuts, 
     assert traffic.read_bytes == traffic.offloaded_bytes  # all of it came back and was used
 
 
+@pytest.mark.slow
 def test_every_saved_tensor_on_disk_through_the_api(tmp_path):
     model, _, _ = tiny_program("llama")
     # 128-token chunks: the hidden states (2 x 128 x 128 fp32, 128 KiB) pass the executor's
@@ -196,6 +198,7 @@ def test_every_saved_tensor_on_disk_through_the_api(tmp_path):
     assert offloaded.store.bytes_offloaded == 0 and traffic.read_bytes == traffic.offloaded_bytes
 
 
+@pytest.mark.slow
 def test_budget_api_plans_offload_and_stays_exact(tmp_path):
     torch.manual_seed(0)
     model = build("llama", "tiny", dim=128, ffn_dim=256)
@@ -231,6 +234,7 @@ def solve_min(compiled, seq_len):
     raise AssertionError("a 1-byte budget was feasible")
 
 
+@pytest.mark.slow
 def test_memory_models_of_a_model_on_another_device():
     """The cost model's fake inputs go on the model's device: on an H200 a CUDA model failed
     here ("Tensor on device cpu is not on the expected device cuda:0", at RoPE's
@@ -245,6 +249,7 @@ def test_memory_models_of_a_model_on_another_device():
     assert mem.level1(16, 32) > 0 and mem.level2(16, 32) > 0
 
 
+@pytest.mark.slow
 def test_plans_the_solver_did_not_choose_are_predicted_by_its_models():
     """`SppoCompiled.predicted` for a fixed chunking: offloading every chunk but the last
     lowers the predicted peak; the prediction is the solver's own for the same ratios."""
@@ -264,6 +269,7 @@ def test_plans_the_solver_did_not_choose_are_predicted_by_its_models():
     assert peak_kept == predict_peak(memory, kept.plan.chunk_lengths, [0.0] * 4)
 
 
+@pytest.mark.slow
 def test_one_trace_partitioned_per_policy_equals_a_trace_per_policy(monkeypatch, tmp_path):
     """The memory model traces the chunk program once (plus the first chunk) and partitions
     that joint graph once per recompute policy (`chunk_costs`); each policy's saved set

@@ -177,6 +177,7 @@ def test_segmented_rejects_mismatched_lists():
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_torch_compile_cpu_matches_eager():
     torch._dynamo.reset()
     q, k, v, do = make_inputs(1, 4, 2, 16, 8, 16)
@@ -497,6 +498,7 @@ def _check(err_and_scale, atol, rtol, what):
 FP32_ATOL, FP32_RTOL = 1e-5, 1e-5
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_forward_full_grid_fp32(interpreter_results):
     fwd = interpreter_results["fwd"]
@@ -505,6 +507,7 @@ def test_triton_forward_full_grid_fp32(interpreter_results):
         _check(e, FP32_ATOL, FP32_RTOL, f"fwd {name}")
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_backward_fp32(interpreter_results):
     bwd = interpreter_results["bwd"]
@@ -515,6 +518,7 @@ def test_triton_backward_fp32(interpreter_results):
             _check(e, FP32_ATOL, FP32_RTOL, f"{g} {name}")
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_other_tiles_fp32(interpreter_results):
     for name, errs in interpreter_results["small_tiles"].items():
@@ -522,6 +526,7 @@ def test_triton_other_tiles_fp32(interpreter_results):
             _check(e, FP32_ATOL, FP32_RTOL, f"{g} {name}")
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_bf16(interpreter_results):
     # bf16 inputs/outputs, probabilities rounded to bf16 before P@V (as on a GPU);
@@ -531,6 +536,7 @@ def test_triton_bf16(interpreter_results):
             _check(e, 2e-2, 2e-2, f"bf16 {g} {name}")
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_op_path_and_segmented(interpreter_results):
     op = interpreter_results["op"]
@@ -540,6 +546,7 @@ def test_triton_op_path_and_segmented(interpreter_results):
         _check(e, FP32_ATOL, FP32_RTOL, "segmented (triton branch) vs concatenated")
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_kernels_compile_for_sm90(aot_results):
     aot = aot_results

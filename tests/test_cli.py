@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from sppo_fx import demo
 from sppo_fx.cli import main
 
@@ -29,6 +31,7 @@ def test_explain_command(capsys):
     assert "==== graph: epilogue ====" in out
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point():
     res = subprocess.run([sys.executable, "-m", "sppo_fx", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "demo" in res.stdout

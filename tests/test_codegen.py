@@ -12,6 +12,7 @@ from sppo_fx.models import build
 from conftest import assert_matches_eager
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_compiled_chunks_match_eager_with_bounded_recompiles(kind):
     model = build(kind)

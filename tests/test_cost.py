@@ -29,6 +29,9 @@ from sppo_fx.passes import transform
 from sppo_fx.passes.cost import (ChunkCost, attention_flops, b, c, chunk_cost, example_inputs,
                                  measure_saved_bytes, node_cost, p, symbolic_values)
 
+# one worker runs the module: its module fixtures (captured programs) are built once
+pytestmark = pytest.mark.xdist_group("cost")
+
 
 def _program(kind, size, batch=2, seq=16):
     torch.manual_seed(0)

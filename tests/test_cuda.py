@@ -37,8 +37,8 @@ from sppo_fx.runtime.store import ActivationStore
 
 from conftest import ATOL, RTOL, assert_matches_eager, eager_loss_and_grads
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                    reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
 
 DEV = "cuda"
 MiB = 1 << 20

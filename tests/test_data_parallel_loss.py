@@ -14,6 +14,9 @@ import pytest
 
 from sppo_fx.runtime.launch import run_local_ranks
 
+# one worker runs the module, so its one 2-rank launch (the `ranks` fixture) happens once
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("data_parallel_loss")]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "data_parallel_loss_worker.py")
 

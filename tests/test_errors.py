@@ -133,6 +133,7 @@ def test_output_without_loss_names_the_fix():
         sppo_fx.compile(Logits(), chunks=2)(torch.zeros(1, 6, dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_budget_below_minimum_is_refused_before_any_step():
     model = build("llama")
     x = torch.randint(0, 97, (1, 64))

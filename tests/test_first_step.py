@@ -26,6 +26,7 @@ def _record_backends(monkeypatch) -> list:
     return asked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks, skeleton, traces", [(3, "keep", 1), (1, "keep", 0), (3, "offload", 1)])
 def test_chunk_zero_skips_inductor_only_with_later_chunks(monkeypatch, tmp_path, chunks, skeleton, traces):
     """With the K/V skeleton offloaded every chunk's prefix handle is an empty tensor, so
@@ -47,6 +48,7 @@ def test_chunk_zero_skips_inductor_only_with_later_chunks(monkeypatch, tmp_path,
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunk_zero_traced_at_its_sizes_then_one_dynamic_program(monkeypatch):
     """Chunk 0 of new sizes: traced exactly for the first EXACT_SIZES sizes, then one
     dynamic-shape program (Dynamo, AOTAutograd's graphs) serves every further size; a size
@@ -80,6 +82,7 @@ def test_chunk_zero_traced_at_its_sizes_then_one_dynamic_program(monkeypatch):
     assert asked.count("inductor") <= 2  # the later chunks: one dynamic program (training, no_grad)
 
 
+@pytest.mark.slow
 def test_a_compiled_first_call_starts_inductors_cpu_probe_on_another_thread(monkeypatch):
     """Inductor's one-time CPU vector-ISA probe (seconds of subprocesses) runs on a background
     thread from the start of the first call (no budget), overlapping capture."""
@@ -98,6 +101,7 @@ def test_a_compiled_first_call_starts_inductors_cpu_probe_on_another_thread(monk
     assert called == ["sppo_fx-inductor-cpu-probe"]
 
 
+@pytest.mark.slow
 def test_a_budgeted_first_call_starts_the_probe_after_the_memory_model(monkeypatch):
     """With a budget the probe starts once the memory model is known (its two traces take
     both cores, passes/cost/saved_cache.py) and the device profile too (a calibration's

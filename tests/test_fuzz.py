@@ -375,6 +375,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", range(MODELS), ids=[f"model{k}" for k in range(MODELS)])
 def test_fuzz_matches_eager(model, tmp_path):
     seed = MASTER_SEED * 1000 + model

@@ -22,6 +22,8 @@ import sys
 import textwrap
 from collections import defaultdict
 
+import pytest
+
 import sppo_fx
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(sppo_fx.__file__))
@@ -171,6 +173,7 @@ _FORK_IMPORTS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_every_module_imports_first_in_a_fresh_process():
     names = sorted(set(_modules()) - NOT_IMPORTABLE)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

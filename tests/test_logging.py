@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import sppo_fx
@@ -33,11 +34,13 @@ def _run(env_extra: dict) -> subprocess.CompletedProcess:
     return res
 
 
+@pytest.mark.slow
 def test_library_use_is_quiet_by_default():
     res = _run({})
     assert "sppo_fx" not in res.stderr and "capturing" not in res.stderr, res.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_env_var_shows_phases_and_pass_graphs():
     info = _run({"SPPO_FX_LOG": "info"}).stderr
     assert "[sppo_fx] capturing the model (torch.export)…" in info
@@ -51,6 +54,7 @@ def test_env_var_shows_phases_and_pass_graphs():
     assert "def forward" in debug  # the graph's code itself
 
 
+@pytest.mark.slow
 def test_budget_phases_logged_at_info_and_profile_stored(caplog, tmp_path, monkeypatch):
     monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("SPPO_FX_RECALIBRATE", raising=False)

@@ -54,6 +54,7 @@ def _stored(tmp_path):
     return sorted((tmp_path / "memory_model").glob("*.json")) if (tmp_path / "memory_model").exists() else []
 
 
+@pytest.mark.slow
 def test_a_second_lookup_reads_the_file_and_does_not_trace(cold, tmp_path, caplog):
     program, seq, params = _llama()
     caplog.set_level(logging.INFO, logger="sppo_fx")
@@ -76,6 +77,7 @@ def test_a_second_lookup_reads_the_file_and_does_not_trace(cold, tmp_path, caplo
     assert len(cold) == 1
 
 
+@pytest.mark.slow
 def test_another_program_policy_or_example_is_traced(cold, tmp_path):
     program, seq, params = _llama()
     base = _lookup(program, seq, params, partition="min_cut", recomputes=("none",))
@@ -113,6 +115,7 @@ def test_another_program_policy_or_example_is_traced(cold, tmp_path):
     assert len(cold) == 3
 
 
+@pytest.mark.slow
 def test_off_neither_reads_nor_writes(cold, tmp_path, monkeypatch):
     program, seq, params = _llama()
     monkeypatch.setenv("SPPO_FX_MEMORY_MODEL_CACHE", "off")
@@ -122,6 +125,7 @@ def test_off_neither_reads_nor_writes(cold, tmp_path, monkeypatch):
     assert _fields(first) == _fields(again)
 
 
+@pytest.mark.slow
 def test_a_corrupt_file_is_traced_again_and_replaced(cold, tmp_path):
     program, seq, params = _llama()
     first = _lookup(program, seq, params, recomputes=("none",))
@@ -154,6 +158,7 @@ def train_tiny_llama_with_a_budget() -> str:
     return f"phases {names}\nplan {compiled.plan.chunk_lengths} {compiled.plan.recompute} loss {loss.item():.6f}"
 
 
+@pytest.mark.slow
 def test_a_new_process_reads_the_memory_model_this_one_stored(tmp_path, monkeypatch):
     """This process stores the memory model; a new one with the same SPPO_FX_CACHE_DIR traces
     nothing for it, and plans and trains the same."""
@@ -162,8 +167,9 @@ def test_a_new_process_reads_the_memory_model_this_one_stored(tmp_path, monkeypa
     first = train_tiny_llama_with_a_budget()
     assert "AOTAutograd partitions" in first and "read from cache" not in first, first
     assert len(_stored(tmp_path)) == 2  # the example chunk and the first chunk
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = (f"import sys; sys.path.insert(0, {here!r}); "
+    import conftest  # this file's folder and conftest's: they differ once tests sit in folders
+    paths = [os.path.dirname(os.path.abspath(p)) for p in (__file__, conftest.__file__)]
+    script = (f"import sys; sys.path[:0] = {paths!r}; "
               "from test_memory_model_cache import train_tiny_llama_with_a_budget as t; print(t())")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPPO_FX_LOG")}
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
@@ -173,6 +179,7 @@ def test_a_new_process_reads_the_memory_model_this_one_stored(tmp_path, monkeypa
     assert second.splitlines()[-1] == first.splitlines()[-1]  # same plan, same loss
 
 
+@pytest.mark.slow
 @needs_fork
 @pytest.mark.parametrize("cache", ["on", "off"])
 def test_the_first_chunk_traced_in_a_forked_process_gives_the_same_model(cold, tmp_path, monkeypatch, cache):

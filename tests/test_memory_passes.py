@@ -182,6 +182,7 @@ def _assert_matches(model, loss, ref, ref_grads):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_offload_nodes_survive_inductor(tmp_path):
     model, x, y = _llama()
     ref, ref_grads = _eager_reference(model, x, y)
@@ -212,6 +213,7 @@ def test_offload_nodes_survive_inductor(tmp_path):
     assert all("torch.ops.sppo.accumulate_grad_mm.default" in c for c in backward)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,offload", [("cheap", "disk"), ("full", None)])
 def test_recompute_through_the_api_is_exact(policy, offload, tmp_path):
     """Each recompute policy through the API equals eager; with offload, the API's graphs

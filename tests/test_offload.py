@@ -14,6 +14,7 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 @pytest.mark.parametrize("tier", ["disk", "device"])
 def test_offload_is_bitwise_neutral(kind, tier, tmp_path):

@@ -59,6 +59,7 @@ def _per_document_logits(model, ids, rows):
 
 # ---------------------------------------------------------------- Hugging Face: position_ids
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_hf_packed_position_ids_match_eager(impl):
     torch.manual_seed(0)
@@ -359,6 +360,7 @@ def test_skeleton_keeps_no_finished_documents(monkeypatch):
 
 # ---------------------------------------------------------------- the streamed skeleton
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 5])
 def test_streamed_skeleton_reads_only_the_documents_a_chunk_sees(window, tmp_path, monkeypatch):
     """skeleton="offload": exact, and each chunk streams back only the rows from its first

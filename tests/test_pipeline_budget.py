@@ -21,6 +21,8 @@ from sppo_fx.benchmark.engine import BUDGET_TOLERANCE
 from sppo_fx.models import build
 from sppo_fx.runtime.launch import start_local_ranks
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "pipeline_budget_worker.py")
 MiB = 2**20

@@ -19,6 +19,8 @@ import pytest
 from sppo_fx.runtime.distributed import _STORE_WAIT_S
 from sppo_fx.runtime.launch import start_local_ranks
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_pipeline.py")
 TIMEOUT_S = 5.0

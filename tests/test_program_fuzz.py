@@ -52,6 +52,7 @@ def _judge(seeds, tmp_path, offload_every=OFFLOAD_EVERY):
                     + "\n".join(f"  {n} x {c}" for c, n in classes.items()) + f"\n\n{shown}", pytrace=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard", range(SHARDS), ids=[f"shard{k}" for k in range(SHARDS)])
 def test_programs_are_exact_or_refused(shard, tmp_path):
     if REPLAY is not None:
@@ -96,6 +97,8 @@ def test_programs_are_deterministic_source():
     assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_seq_parallel_programs_are_exact_or_refused():
     """A few programs under seq_parallel=2 in one 2-rank gloo launch in every run (the launch
     and the ranks' captures dominate: about 5 s a program); SPPO_PROGRAM_FUZZ_SP_COUNT runs more."""

@@ -15,6 +15,8 @@ import torch
 from sppo_fx.models import build
 from sppo_fx.runtime.launch import run_local_ranks
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_pipeline.py")
 

@@ -273,6 +273,8 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_fingerprint_exchange_waits_timeout_s_not_the_groups_timeout(tmp_path):
     from sppo_fx.runtime.launch import start_local_ranks
     script = tmp_path / "waiter.py"

@@ -93,6 +93,8 @@ def test_planner_json_and_the_runtime_share_one_plan_format(tmp_path):
         load_layout_plan('{"layout": {"sp": 2}}')
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_all_to_all_attention_on_two_processes_matches_full_attention():
     procs = start_local_ranks([sys.executable, os.path.join(ROOT, "tests", "seq_parallel_worker.py")], 2,
                               cwd=ROOT)

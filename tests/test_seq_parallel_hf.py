@@ -65,10 +65,14 @@ def _matrix(world, cells):
     return table
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_sequence_parallel_matches_eager_on_two_ranks():
     assert len(_matrix(2, TWO)) == len(TWO)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_sequence_parallel_matches_eager_on_four_ranks():
     assert len(_matrix(4, FOUR)) == len(FOUR)
 

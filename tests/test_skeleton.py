@@ -152,6 +152,7 @@ def test_memory_without_a_skeleton_says_what_is_missing():
 
 
 # ---- exactness ---------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_offloaded_skeleton_matches_eager(kind, tmp_path):
     model, _, _ = tiny_program(kind)
@@ -176,6 +177,7 @@ def test_offloaded_skeleton_matches_eager(kind, tmp_path):
                for n in compiled.graphs["chunk.forward.1"].graph.nodes if n.op == "call_function")
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["gpt", "llama"]), cuts=st.sets(st.integers(1, 63), min_size=1, max_size=4),
@@ -203,6 +205,7 @@ def test_random_plans_with_the_skeleton_on_disk_are_bitwise_neutral(tmp_path_fac
     assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
 
 
+@pytest.mark.slow
 def test_offloaded_skeleton_under_inductor_matches_eager(tmp_path):
     model, _, _ = tiny_program("llama")
     torch.manual_seed(2)
@@ -250,6 +253,7 @@ def test_offloading_the_skeleton_lowers_the_predicted_peak():
     assert keep - off == 2 * skeleton - stream - 2 * own_kv
 
 
+@pytest.mark.slow
 def test_solver_offloads_the_skeleton_only_when_the_budget_requires_it():
     kw = dict(rate=1e12, bandwidth=1e9, skeletons=("keep", "offload"))
     with pytest.raises(InfeasibleBudget) as err:

@@ -170,6 +170,7 @@ def test_mistral_window_exact_for_chunks_shorter_equal_and_longer_than_the_windo
     assert [s.window for s in compiled.program.attention] == [16, 16]
 
 
+@pytest.mark.slow
 def test_mistral_window_compiled_by_inductor():
     model = _family("mistral", window=10, layers=1)
     ids = torch.randint(0, 101, (1, 40))
@@ -202,6 +203,7 @@ def test_window_prefix_and_its_gradients_stay_within_the_window(monkeypatch):
     assert grads and max(grads) <= 7
 
 
+@pytest.mark.slow
 def test_window_skeleton_bytes_do_not_grow_with_the_sequence(monkeypatch):
     """T = 4W and 16W, same chunks: the K/V skeleton held at the end of the forward (its
     peak: the backward only frees it) is the same for a windowed model, while a causal one's
@@ -282,6 +284,7 @@ def windowed_skeleton():
     return _skeleton_measured_and_predicted(W_MODEL, [VIEWS, LONG_VIEWS, COPIES, SHORT])
 
 
+@pytest.mark.slow
 def test_predicted_skeleton_bytes_equal_the_runtime_and_stay_bounded_by_the_window(windowed_skeleton):
     """The memory model's kept skeleton equals what the runtime holds, byte for byte, in
     each case of `skeleton_rows.keeps_no_buffer`: chunks of W (views: nothing kept, at T = 4W

@@ -182,6 +182,7 @@ def test_no_fork_without_a_free_core(monkeypatch):
     assert split.forked and split.child.pid is None and not split.in_child
 
 
+@pytest.mark.slow
 @needs_fork
 def test_a_compiled_program_takes_its_backward_graph_from_the_child(monkeypatch):
     """End to end, on a cold Inductor cache: this process compiles the forward graph only

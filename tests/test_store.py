@@ -330,6 +330,7 @@ _RSS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux)")
 def test_peak_rss_drops_with_disk_offload(tmp_path):
     def peak(mode):

@@ -22,6 +22,7 @@ def _files(d):
     return sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "inductor"])
 def test_full_disk_mid_step_fails_cleanly_and_the_next_step_works(tmp_path, monkeypatch, compile_):
     model = build("llama", "tiny")
@@ -92,6 +93,7 @@ def test_a_truncated_offload_file_is_detected_on_read(tmp_path):
     store.close()
 
 
+@pytest.mark.slow
 def test_leftovers_of_a_killed_process_are_swept_and_only_those(tmp_path):
     code = (f"import os, torch; from sppo_fx.runtime.store import ActivationStore\n"
             f"s = ActivationStore('disk', dir={str(tmp_path)!r}); h = s.offload(torch.ones(1 << 16)); s.synchronize()\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,6 +17,7 @@ def _example():
     return module
 
 
+@pytest.mark.slow
 def test_train_hf_two_steps_and_checkpoint(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -130,6 +130,8 @@ def test_verify_must_be_a_bool():
         sppo_fx.compile(PeekingLM(), verify="yes")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_verify_across_pipeline_and_sequence_parallel_ranks(tmp_path):
     """Two ranks, three layouts (pp=2; sp=2; sp=2 with the broken recogniser and pp=2 with
     it): exact programs pass and step; the broken pass raises the same SppoError on every

@@ -226,6 +226,7 @@ def test_budget_solver_offloads_a_windowed_skeleton_when_the_budget_requires_it(
     assert plan.skeleton == "offload" and plan.peak_bytes <= budget
 
 
+@pytest.mark.slow
 def test_offloaded_window_skeleton_compiled_by_inductor(tmp_path, monkeypatch):
     """The streamed windowed skeleton with Inductor's chunk programs, which may run a chunk's
     `kv_out` before its attention: a training step is exact, an evaluation under no_grad
