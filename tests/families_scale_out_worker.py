@@ -52,6 +52,11 @@ FAMILIES = {
     "opt": (tf.OPTConfig, tf.OPTForCausalLM, dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=48, num_hidden_layers=2,
                                                   num_attention_heads=4, max_position_embeddings=64,
                                                   word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)),
+    "gemma2_softcap": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(HF, head_dim=8, sliding_window=64,
+                                                                    layer_types=["full_attention"] * 2,
+                                                                    attn_logit_softcapping=5.0)),
+    "bloom": (tf.BloomConfig, tf.BloomForCausalLM, dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                                                        attention_dropout=0.0, hidden_dropout=0.0)),
     "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, dict(HF, intermediate_size=16, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"], output_router_logits=True, router_aux_loss_coef=1.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),  # noqa: E501
 }
 

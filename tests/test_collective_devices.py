@@ -20,6 +20,7 @@ WORKER = os.path.join(ROOT, "tests", "collective_devices_worker.py")
 
 
 @pytest.mark.slow  # two ranks trace, compile and run a step: about 75 s here
+@pytest.mark.distributed
 def test_gloo_pipeline_hands_collectives_tensors_on_the_groups_device(tmp_path):
     # gpt ties its embeddings: 2 stages exchange the tied gradient
     args = ["--model", "gpt", "--layers", "2", "--seq-len", "32", "--chunks", "2", "--microbatches", "1",

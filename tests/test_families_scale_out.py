@@ -29,10 +29,12 @@ CELLS = {
     "gemma3": [None], "phi3": [None], "phi": [None], "stablelm": [None], "gpt2": [None, "eager"],
     "gpt_neox": [None], "olmo2": [None], "gptj": [None], "cohere": [None],
     "falcon": [None, "eager"], "opt": [None, "eager"], "gpt_oss": [None],  # GPT-OSS: eager is its default
+    "gemma2_softcap": ["eager"], "bloom": [None],
 }
 LAYOUTS = ["sp", "pp"]
 # (family, attention, layout) -> regex the refusal must match
-REFUSED: dict = {("gpt_oss", None, "sp"): r"per-head attention sinks.*seq_parallel=2"}
+REFUSED: dict = {("gpt_oss", None, "sp"): r"per-head attention sinks.*seq_parallel=2",
+                 ("bloom", None, "sp"): r"per-head attention sinks or ALiBi slopes"}
 
 
 def _cells():
@@ -43,7 +45,7 @@ def _key(cell):
     return f"{cell['family']}/{cell['attn'] or 'default'}/{cell['layout']}"
 
 
-NEW = ("opt", "falcon", "gpt_oss")  # the families issue 30 added; the others' cells run in the second test
+NEW = ("opt", "falcon", "gpt_oss", "gemma2_softcap", "bloom")  # what issue 30 added; the others: second test
 
 
 def _matrix(cells, monkeypatch):
@@ -76,10 +78,12 @@ def _matrix(cells, monkeypatch):
 
 
 @pytest.mark.slow
-def test_opt_and_falcon_under_sequence_parallelism_and_pipelines(monkeypatch):
+@pytest.mark.distributed
+def test_new_families_under_sequence_parallelism_and_pipelines(monkeypatch):
     _matrix([c for c in _cells() if c["family"] in NEW], monkeypatch)
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_other_families_under_sequence_parallelism_and_pipelines(monkeypatch):
     _matrix([c for c in _cells() if c["family"] not in NEW], monkeypatch)

@@ -226,6 +226,7 @@ def test_mixtral_with_aux_loss_under_a_budget_that_splits_the_sequence():
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_mixtral_with_aux_loss_under_sequence_pipeline_and_data_parallelism():
     from sppo_fx.runtime.launch import run_local_ranks
     worker = os.path.join(ROOT, "tests", "moe_parallel_worker.py")

@@ -133,6 +133,7 @@ def test_ones_inputs_option_is_checked(bad):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_sequence_parallel_all_ones_mask_is_exact_and_padding_refused_on_every_rank():
     import json
     import os
