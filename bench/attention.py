@@ -13,7 +13,7 @@ with ``is_causal=True``, which that kernel aligns lower-right when ``c != p + c`
 ``causal_lower_right`` dispatch ignores ``sdpa_kernel`` backend selection.
 
 Methods on CUDA: SDPA flash (the reference: same queries and keys, one call), the flash
-split (`ops/attention/flash_split.py`: prefix and causal square as two flash calls merged by
+split (`chunk_attention/kernels/flash_split.py`: prefix and causal square as two flash calls merged by
 log-sum-exp, what `prefix_causal_attention` runs), the Triton kernel, SDPA efficient.
 "speed vs sdpa flash" is SDPA flash's fwd+bwd time over the method's (goal for the split:
 >= 0.9x). On CPU (``--device cpu``, or no GPU) it compares the split on ATen's CPU kernels
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     from torch.nn.attention.bias import CausalVariant
 
     from sppo_fx.ops import chunk_attention
-    from sppo_fx.ops.attention.flash_split import flash_split_attention
+    from sppo_fx.chunk_attention.kernels.flash_split import flash_split_attention
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     b, h, d, c = args.batch, args.heads, args.head_dim, args.chunk

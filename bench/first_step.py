@@ -15,7 +15,7 @@ compiling, as a user's first run does:
 
 "first step" is the first forward + backward, from the compile call to the end of
 backward; "import" is `import torch` (and sppo_fx) in that process, before it. For the sppo
-rows the first step is broken down by phase (`sppo_fx.log.record_phases`; the same phases
+rows the first step is broken down by phase (`sppo_fx.util.log.record_phases`; the same phases
 the progress lines print); "other" is the time no phase covers (running the step itself,
 Python). The caches live in a temporary directory removed at the end.
 """
@@ -40,7 +40,7 @@ def worker(args) -> None:
     sys.path.insert(0, ROOT)
     import sppo_fx
     from sppo_fx.benchmark.worker import _rss  # the engine's RSS reader
-    from sppo_fx.log import enable, record_phases, summarize
+    from sppo_fx.util.log import enable, record_phases, summarize
     from sppo_fx.models import build
     import_s = time.perf_counter() - t0  # nothing at this module's top imports torch
     enable()  # progress on stderr

@@ -9,7 +9,7 @@ initial weights, SGD):
 
     python bench/long_run.py --steps 200            # the full check (a few minutes on 2 cores)
 
-Exit status 1 and the failed checks printed when a check fails. `tests/test_long_run.py`
+Exit status 1 and the failed checks printed when a check fails. `tests/e2e/test_long_run.py`
 runs it with fewer steps.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@
 2. The run: P ranks on this machine (gloo; P = 1 runs in this process), a warm-up step and
    timed steps; every pipeline rank records each action's wall-clock span.
 3. Predictions of the same schedule with durations from the cost model: the schedule
-   validator's clock (`solver.pipeline.predict`) and the event simulator
+   validator's clock (`solver.pipeline_chunks.predict`) and the event simulator
    (`schedule.simulator.simulate`, compute stream per rank, links, copy engines).
 
 Measured bubble = 1 - (compute time summed over ranks) / (P * step time). On a 2-core
@@ -42,7 +42,7 @@ from sppo_fx.runtime.launch import start_local_ranks  # noqa: E402
 from sppo_fx.schedule import Action, ActionKind  # noqa: E402
 from sppo_fx.solver.partition import cost_model_from_graph  # noqa: E402
 from sppo_fx.schedule import build_schedule  # noqa: E402
-from sppo_fx.solver.pipeline import chunk_seconds, predict  # noqa: E402
+from sppo_fx.solver.pipeline_chunks import chunk_seconds, predict  # noqa: E402
 from sppo_fx.schedule.simulator import simulate  # noqa: E402
 
 

@@ -7,7 +7,7 @@
 # Steps (each under its own `timeout`, each logged to $OUT/NN_name.log and echoed; a failing
 # step never stops the script):
 #   1 env         nvidia-smi -L, torch / triton / CUDA versions, optional pytest plugins
-#   2 test_cuda   tests/test_cuda.py (Triton kernels, host-tier store, offload, Inductor,
+#   2 test_cuda   tests/gpu/test_cuda.py (Triton kernels, host-tier store, offload, Inductor,
 #                 the flash split, a world-size-1 NCCL group)
 #   3 attention   bench/attention.py on a few prefixes (flash split and Triton vs SDPA flash)
 #   4 memory      bench/memory.py --device cuda --dtype bf16, llama-bench, T=16384
@@ -103,7 +103,7 @@ run_step 01_env 15 bash -c env_info
 # Four pytest workers (with xdist), each with an Inductor compile pool of 4 processes and 4
 # CPU threads, on the machine's 16 cores.
 TORCHINDUCTOR_COMPILE_THREADS=4 OMP_NUM_THREADS=4 \
-run_step 02_test_cuda 150 python3 -m pytest tests/test_cuda.py tests/test_bf16.py::test_bf16_on_cuda_within_twice_eager_bf16_error -v -rs --durations=15 "${PAR[@]}" "${PER_TEST[@]}"
+run_step 02_test_cuda 150 python3 -m pytest tests/gpu/test_cuda.py tests/e2e/test_bf16.py::test_bf16_on_cuda_within_twice_eager_bf16_error -v -rs --durations=15 "${PAR[@]}" "${PER_TEST[@]}"
 
 [ -n "${SKIP_ATTENTION:-}" ] || \
 run_step 03_attention 45 python3 bench/attention.py --prefixes 0,8192,32768 --warmup 2 --iters 5 --kv-heads 8

@@ -2,7 +2,7 @@
 # Set up (if needed) and run the whole test suite. Extra arguments go to pytest:
 #   ./scripts/test.sh -m "not slow"     the development tier (no Inductor compiles, rank
 #                                       launches or long runs; docs/testing.md)
-#   ./scripts/test.sh tests/test_seqdim.py -x     one file
+#   ./scripts/test.sh tests/passes/test_seqdim.py -x     one file
 # Markers (pyproject.toml): slow, distributed (starts rank processes), cuda (needs a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ bash scripts/setup.sh
 # while OpenMP threads spinning on an oversubscribed CPU would slow every worker down.
 # --dist loadgroup hands out one test at a time, which balanced the long tests better here
 # than the default (17.3 vs 19.0 min), and keeps a module marked with an xdist_group on one
-# worker (tests/test_chunk_attention.py, whose Triton subprocesses start once per worker).
+# worker (tests/chunk_attention/test_chunk_attention.py, whose Triton subprocesses start once per worker).
 # Tests that start rank processes may run beside another test; their peer timeouts allow
 # for that.
 exec env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest -q \

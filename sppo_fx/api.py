@@ -26,10 +26,10 @@ import torch.fx as fx
 from sppo_fx.capture import flatten_call
 from sppo_fx.codegen import CompiledProgram
 from sppo_fx.errors import SppoError
-from sppo_fx.log import get_logger, phase
+from sppo_fx.util.log import get_logger, phase
 from sppo_fx.options import CompileOptions, check_inputs, compile_options, seq_len_of
 from sppo_fx.orchestrate import Entry, chunk_plan, plan_call, prepare, stage_product
-from sppo_fx.passes.mask_values import check_ones_inputs
+from sppo_fx.passes.masks.values import check_ones_inputs
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.local import chunked_loss

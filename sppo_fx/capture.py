@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from sppo_fx.errors import SppoError, describe_node
-from sppo_fx.log import get_logger
+from sppo_fx.util.log import get_logger
 
 log = get_logger(__name__)
 

@@ -7,13 +7,13 @@ import sys
 
 import torch
 
-from sppo_fx.units import positive_int
+from sppo_fx.util.units import positive_int
 
 
 def _bytes(text: str) -> int:
     """argparse type: a size such as 256GiB (`units.parse_bytes`)."""
     from sppo_fx.errors import SppoError
-    from sppo_fx.units import parse_bytes
+    from sppo_fx.util.units import parse_bytes
     try:
         return parse_bytes(text, "size")
     except SppoError as e:
@@ -23,7 +23,7 @@ def _bytes(text: str) -> int:
 def _tokens(text: str) -> int:
     """argparse type: a sequence length such as 4M, 640K or 1000 (`planner.parse_tokens`)."""
     from sppo_fx.errors import SppoError
-    from sppo_fx.planner import parse_tokens
+    from sppo_fx.whatif import parse_tokens
     try:
         return parse_tokens(text)
     except SppoError as e:
@@ -60,7 +60,7 @@ def _explain(args) -> int:
 
 def _add_whatif_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments shared by `plan` and `trace` (paper-scale what-if planning)."""
-    from sppo_fx.planner import MODELS
+    from sppo_fx.whatif import MODELS
     p.add_argument("--model", default="gpt-7b", choices=sorted(MODELS) + ["custom"],
                    help="paper Table 2 model (or custom with --layers/--hidden/--heads)")
     p.add_argument("--layers", type=positive_int, default=None, help="override / custom: transformer blocks")
@@ -79,7 +79,7 @@ def _add_whatif_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _whatif_report(args):
-    from sppo_fx.planner import Cluster, get_model, parse_bytes, plan
+    from sppo_fx.whatif import Cluster, get_model, parse_bytes, plan
     model = get_model(args.model, args.layers, args.hidden, args.heads, args.vocab)
     cluster = Cluster(host_memory_bytes=parse_bytes(args.host_memory, "--host-memory"))  # an int by now
     return plan(model, args.seq, args.gpus, args.device, cluster=cluster, stages=args.stages,
@@ -90,7 +90,7 @@ def _plan(args) -> int:
     import json
 
     from sppo_fx.errors import SppoError
-    from sppo_fx.planner import format_report
+    from sppo_fx.whatif import format_report
     try:
         report = _whatif_report(args)
     except SppoError as e:
@@ -105,8 +105,8 @@ def _plan(args) -> int:
 
 def _trace(args) -> int:
     from sppo_fx.errors import SppoError
-    from sppo_fx.trace import render_text, simulated_trace, summarize_trace, write_trace
-    from sppo_fx.planner import report_simulation
+    from sppo_fx.util.chrome_trace import render_text, simulated_trace, summarize_trace, write_trace
+    from sppo_fx.whatif import report_simulation
     try:
         report = _whatif_report(args)
         sim = report_simulation(report, args.policy)

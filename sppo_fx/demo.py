@@ -19,7 +19,7 @@ import torch
 from tabulate import tabulate
 
 import sppo_fx
-from sppo_fx.log import enable, record_phases, summarize
+from sppo_fx.util.log import enable, record_phases, summarize
 from sppo_fx.models import build
 
 

@@ -266,7 +266,7 @@ _SWITCHES = ("SPPO_FX_MEMORY_MODEL_CACHE", "SPPO_FX_PROFILE_CACHE", "SPPO_FX_FOR
 def check_environment() -> None:
     """Refuse values of the environment variables sppo_fx reads that it would misread, naming
     the variable; make Inductor's cache directory private (`disk_cache.secure_inductor_cache`)."""
-    from sppo_fx.disk_cache import secure_inductor_cache
+    from sppo_fx.util.disk_cache import secure_inductor_cache
     env = os.environ
     for var in _SWITCHES:
         value = env.get(var)
@@ -278,7 +278,7 @@ def check_environment() -> None:
         raise SppoError(f"environment variable SPPO_FX_LOG_PASSES={passes!r}: set it to 1 (print each graph after "
                         "its pass) or 0; any other value reads as 1")
     if env.get("SPPO_FX_LOG", "").strip():
-        from sppo_fx.log import _env_level
+        from sppo_fx.util.log import _env_level
         try:
             _env_level()
         except SppoError as e:

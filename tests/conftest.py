@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from sppo_fx._compat import symbolic_dispatch
+from sppo_fx.util.compat import symbolic_dispatch
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -190,7 +190,7 @@ def hand():
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache_dir(tmp_path_factory):
-    """sppo_fx's disk caches (device profile, memory model: `sppo_fx/disk_cache.py`) in one
+    """sppo_fx's disk caches (device profile, memory model: `sppo_fx/util/disk_cache.py`) in one
     directory per test session: the suite never reads or writes ~/.cache, and its tests
     (and the subprocesses they start, which inherit the variable) share one cache. A test
     that needs a cold cache sets its own SPPO_FX_CACHE_DIR."""
@@ -212,7 +212,7 @@ def _seed():
 def _no_forked_backward_compile(monkeypatch):
     """Compiles in the suite's processes keep the backward graph here: whether a compile
     forks would otherwise depend on the other worker's load at that instant
-    (`split_compile.a_core_is_free`). tests/test_split_compile.py turns it back on."""
+    (`split_compile.a_core_is_free`). tests/codegen/test_split_compile.py turns it back on."""
     from sppo_fx.codegen import split_compile
     monkeypatch.setattr(split_compile, "a_core_is_free", lambda: False)
 
@@ -244,10 +244,10 @@ class StoreTraffic:
 
 
 def _can_fork():
-    from sppo_fx.forked import can_fork
+    from sppo_fx.util.forked import can_fork
     return can_fork()
 
 
-# tests of sppo_fx/forked.py's fork path (it computes in this process where it cannot fork)
+# tests of sppo_fx/util/forked.py's fork path (it computes in this process where it cannot fork)
 needs_fork = pytest.mark.skipif(not _can_fork(), reason="needs Linux with more than one CPU (os.fork, "
                                                         "os.sched_getaffinity) and SPPO_FX_FORK not off")

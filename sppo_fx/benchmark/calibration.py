@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from sppo_fx.solver.layout import LinkModel
 from sppo_fx.solver.partition import ChunkCostModel
-from sppo_fx.solver.pipeline import ComputeModel
+from sppo_fx.solver.pipeline_chunks import ComputeModel
 
 SMALL_BYTES, LARGE_BYTES = 4 * 1024, 4 * 2**20
 

@@ -33,7 +33,7 @@ AXIS_HELP = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=["gpt", "llama"], default="llama")
     p.add_argument("--size", default="tiny", help="model preset: tiny | small | bench")
-    from sppo_fx.units import positive_int
+    from sppo_fx.util.units import positive_int
     p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--steps", type=positive_int, default=2, help="timed steps per row after the first call")

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 
 from sppo_fx.errors import SppoError
-from sppo_fx.units import parse_bytes
+from sppo_fx.util.units import parse_bytes
 
 ANCHOR_KINDS = ("eager", "compile", "compile-amb", "checkpoint")
 LIBRARY_KIND = "sppo"

@@ -29,8 +29,8 @@ import time
 
 from sppo_fx.benchmark.config import BenchConfig, min_headroom, resolve_budget
 from sppo_fx.errors import SppoError
-from sppo_fx.log import ENV as LOG_ENV
-from sppo_fx.log import PREFIX as LOG_PREFIX
+from sppo_fx.util.log import ENV as LOG_ENV
+from sppo_fx.util.log import PREFIX as LOG_PREFIX
 
 NOISE_FLOOR_BYTES = 4 * 2**20  # RSS moves by this much between identical runs (malloc, threads)
 NOISE_FLOOR_S = 1e-3

@@ -11,8 +11,8 @@ Across processes, Inductor's caches (in `TORCHINDUCTOR_CACHE_DIR`) serve a progr
 before: the FX graph cache (forward and backward graphs after the memory passes) and the
 AOTAutograd cache (the whole trace, partition and compile, keyed on Dynamo's graph). The
 AOTAutograd cache key holds the memory partitioner's `uuid()`: its policy and a digest of
-sppo_fx's sources (`sppo_fx/disk_cache.py`), so an entry made by other memory passes is
-never reused. On CPU the chunk attention is an autograd.Function (`sppo_fx/attention.py`), which Dynamo traces into
+sppo_fx's sources (`sppo_fx/util/disk_cache.py`), so an entry made by other memory passes is
+never reused. On CPU the chunk attention is an autograd.Function (`sppo_fx/chunk_attention/functions.py`), which Dynamo traces into
 the graph (forward and backward bodies, both in the key); torch refuses such graphs for the
 AOTAutograd cache unless told they are safe, which ours are: the bodies are all it does.
 On a hit no partition runs, so `CompiledProgram.partitions` has no record of that compile.
@@ -29,8 +29,8 @@ import threading
 import torch
 import torch.fx as fx
 
-from sppo_fx.disk_cache import source_digest
-from sppo_fx.log import get_logger, phase
+from sppo_fx.util.disk_cache import source_digest
+from sppo_fx.util.log import get_logger, phase
 
 log = get_logger(__name__)
 

@@ -38,8 +38,8 @@ from typing import Callable, NoReturn
 
 import torch
 
-from sppo_fx.forked import ForkedChild, a_core_is_free, can_fork
-from sppo_fx.log import get_logger, phase
+from sppo_fx.util.forked import ForkedChild, a_core_is_free, can_fork
+from sppo_fx.util.log import get_logger, phase
 
 log = get_logger(__name__)
 
@@ -90,7 +90,7 @@ class BackwardInChild:
         graph) takes no symbolic size from the forward graph: AOTAutograd then compiles it
         lazily, at the first backward, after this compile. In the child, Inductor's compile
         threads are made anew (the parent's pool threads do not exist there), and the child
-        runs torch on one thread (`sppo_fx/forked.py`: an OpenMP parallel region in a
+        runs torch on one thread (`sppo_fx/util/forked.py`: an OpenMP parallel region in a
         forked child hangs) while Inductor reads this process's thread count: the generated
         C++ code and the cache key hold it."""
         if self.forked:

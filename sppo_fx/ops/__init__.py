@@ -7,7 +7,7 @@ def __getattr__(name: str):
     # first used, not with every `sppo_fx.ops.*` module
     if name in __all__:
         import importlib
-        module = importlib.import_module("sppo_fx.ops.chunk_attention")
+        module = importlib.import_module("sppo_fx.chunk_attention.op")
         # the functions, not the submodule of the same name, as when they were imported here
         globals().update({n: getattr(module, n) for n in __all__})
         return globals()[name]

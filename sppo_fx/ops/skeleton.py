@@ -43,7 +43,7 @@ from sppo_fx.ops.skeleton_window import windowed_backward, windowed_forward
 
 def bshd_empty_like(q, dtype=None):
     # imported when called: the chunk-attention module loads Triton (see ops/__init__.py)
-    from sppo_fx.ops.chunk_attention import bshd_empty_like as empty_like
+    from sppo_fx.chunk_attention.op import bshd_empty_like as empty_like
     return empty_like(q, dtype)
 
 
@@ -55,7 +55,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix
     (every earlier chunk, streamed in one at a time; with a sliding `window`, only those
     that reach into it; inside packed documents, `doc_pos`, those of the documents it sees)
     and the chunk's own k, v."""
-    from sppo_fx.ops.chunk_attention import chunk_attention_with_lse
+    from sppo_fx.chunk_attention.op import chunk_attention_with_lse
     blocks = _memory("prefix_attention").kv_blocks(site)
     if window is not None or doc_pos is not None:
         out, lse = windowed_forward(q, k, v, k_prefix.shape[2], blocks, scale, window, doc_pos)
@@ -182,7 +182,7 @@ torch.library.register_autograd("sppo::kv_out", _kv_out_backward, setup_context=
 
 def streamed_prefix_attention(q, k_prefix, k, v_prefix, v, site: int, scale=None, enable_gqa=False, window=None,
                               doc_pos=None):
-    """`sppo_fx.attention.prefix_causal_attention` with the prefix in the skeleton:
+    """`sppo_fx.chunk_attention.functions.prefix_causal_attention` with the prefix in the skeleton:
     `k_prefix`, `v_prefix` are empty handles (shape [b, h_kv, p, d, 0]).
 
     Args:
@@ -197,5 +197,5 @@ def streamed_prefix_attention(q, k_prefix, k, v_prefix, v, site: int, scale=None
     Returns:
         [b, h, c, d] attention output.
     """
-    from sppo_fx.ops.chunk_attention import _default_scale
+    from sppo_fx.chunk_attention.op import _default_scale
     return prefix_attention(q, k, v, k_prefix, v_prefix, site, _default_scale(q, scale), window, doc_pos)[0]

@@ -104,7 +104,7 @@ def _stream_parts(blocks, start: int, c: int, window, doc_pos):
 def windowed_forward(q, k, v, start: int, blocks, scale: float, window, doc_pos=None):
     """(out, lse) of a windowed (or packed-document) chunk at `start` over its streamed
     blocks and its own k, v."""
-    from sppo_fx.ops.chunk_attention import chunk_attention_with_lse
+    from sppo_fx.chunk_attention.op import chunk_attention_with_lse
     c = q.shape[-2]
     parts = _stream_parts(blocks, start, c, window, doc_pos)
     if doc_pos is None and c <= window:

@@ -18,12 +18,12 @@ import torch.utils._pytree as pytree
 
 from sppo_fx.capture import Captured, capture, flatten_call
 from sppo_fx.errors import SppoError
-from sppo_fx.log import get_logger, phase
+from sppo_fx.util.log import get_logger, phase
 from sppo_fx.options import CompileOptions
 from sppo_fx.orchestrate.stage import chunk_plan, compile_chunk, needs_chunk_program
 from sppo_fx.ops.seq_parallel import register_group
 from sppo_fx.passes import batch_epilogue, transform_stages
-from sppo_fx.passes.mask_values import check_seq_limit
+from sppo_fx.passes.masks.values import check_seq_limit
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.passes.sequence_parallel import shard_attention_heads
@@ -34,7 +34,7 @@ from sppo_fx.runtime.pipeline import batch_size
 from sppo_fx.runtime.product import RankProduct
 from sppo_fx.schedule import build_schedule, with_offload
 from sppo_fx.solver.partition import cost_model_from_graph
-from sppo_fx.solver.pipeline import ComputeModel, choose_plan
+from sppo_fx.solver.pipeline_chunks import ComputeModel, choose_plan
 from sppo_fx.solver.rank_budget import inflight_microbatches, offload_quota, solve_budget
 
 log = get_logger(__name__)

@@ -17,10 +17,10 @@ import torch.fx as fx
 from sppo_fx.capture import Captured, capture
 from sppo_fx.codegen import CompiledProgram, compile_chunk_program
 from sppo_fx.errors import SppoError
-from sppo_fx.log import get_logger, phase
+from sppo_fx.util.log import get_logger, phase
 from sppo_fx.options import CompileOptions
 from sppo_fx.passes import transform
-from sppo_fx.passes.mask_values import check_ones_inputs, check_seq_limit
+from sppo_fx.passes.masks.values import check_ones_inputs, check_seq_limit
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan, even_plan

@@ -13,7 +13,7 @@
 Each pass is a function of a GraphModule (and the capture's facts) with no hidden state.
 At DEBUG level the logger "sppo_fx.passes" shows the captured graph before the first pass
 and every graph after its pass, with node counts and seconds (`SPPO_FX_LOG=debug`, see
-sppo_fx/log.py; `log=True` / `log_passes=True` / SPPO_FX_LOG_PASSES=1 turn on just these).
+sppo_fx/util/log.py; `log=True` / `log_passes=True` / SPPO_FX_LOG_PASSES=1 turn on just these).
 
 The memory passes (`passes.offload`) run later, on the chunk program's AOTAutograd joint
 graph and its forward/backward partition, as the partitioner that codegen hands to
@@ -34,12 +34,12 @@ import sympy
 import torch
 import torch.fx as fx
 
-from sppo_fx.attention import document_causal_attention, windowed_causal_attention
+from sppo_fx.chunk_attention.functions import document_causal_attention, windowed_causal_attention
 from sppo_fx.capture import Captured, strip_asserts
 from sppo_fx.errors import SppoError, describe_node
-from sppo_fx.log import enable, get_logger
-from sppo_fx.passes.causal_mask import recognize_causal_masks
-from sppo_fx.passes.explicit_attention import recognize_explicit_attention
+from sppo_fx.util.log import enable, get_logger
+from sppo_fx.passes.masks.causal import recognize_causal_masks
+from sppo_fx.passes.masks.explicit_attention import recognize_explicit_attention
 from sppo_fx.passes.positions import recognize_cumsum_positions
 from sppo_fx.passes.ones_inputs import ONES_INPUTS, ones_candidates, specialise_ones
 from sppo_fx.passes.loss_epilogue import LOSSES, additive_reduction, build_epilogue, loss_reduction

@@ -1,4 +1,4 @@
-"""ALiBi proven from written-out attention (used by `passes/explicit_attention.py`).
+"""ALiBi proven from written-out attention (used by `passes/masks/explicit_attention.py`).
 
 A bias B added to the scores below the mask, in one of two forms:
 

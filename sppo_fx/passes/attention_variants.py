@@ -1,5 +1,5 @@
 """Score variants of written-out attention, proven from the graph (used by
-`passes/explicit_attention.py`):
+`passes/masks/explicit_attention.py`):
 
 Soft-capping (Gemma 2's `attn_logit_softcapping`): between the scores S = scale * q @ k^T
 and the mask, the chain is
@@ -7,7 +7,7 @@ and the mask, the chain is
     c2 * tanh(a * S)            (c2, a Python numbers; `S / c` is a = 1/c)
 
 which is cap * tanh(scale' * q.k / cap) with cap = c2 and scale' = a * c2 * scale, for any
-nonzero c2 and a: the chunk attention computes exactly that (`ops/attention/variants.py`).
+nonzero c2 and a: the chunk attention computes exactly that (`chunk_attention/kernels/variants.py`).
 The tanh must sit below the mask: tanh(S + mask) caps the mask's -inf to -c2, so blocked
 keys would get weight; that (and a tanh anywhere else in the chain) is refused.
 

@@ -139,7 +139,7 @@ def tag_recompute(joint: fx.GraphModule, policy: str) -> fx.GraphModule:
 
 
 def _hint(x) -> int:
-    from sppo_fx._compat import optimization_hint
+    from sppo_fx.util.compat import optimization_hint
     return optimization_hint(x)
 
 

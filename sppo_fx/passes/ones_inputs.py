@@ -2,7 +2,7 @@
 
 Hugging Face models build their attention mask, and OPT and Bloom their positions, from
 `attention_mask` when it is given. As a graph input the mask is data: the mask proof
-(`passes/mask_proof.py`) cannot show what it lets a query see, and a cumsum over it
+(`passes/masks/proof.py`) cannot show what it lets a query see, and a cumsum over it
 (`passes/positions.py`) is not a position range, so the program is refused. Yet the mask a
 tokenizer gives for unpadded training batches (and HF Trainer passes) is all ones, and
 over ones these are the same graphs the models build with no mask, which are proven.
@@ -28,9 +28,9 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.capture import Captured
-from sppo_fx.log import get_logger
-from sppo_fx.passes.mask_proof import MaskEvaluator
-from sppo_fx.passes.mask_values import Band, Const, NotProvable
+from sppo_fx.util.log import get_logger
+from sppo_fx.passes.masks.proof import MaskEvaluator
+from sppo_fx.passes.masks.values import Band, Const, NotProvable
 
 log = get_logger(__name__)
 aten = torch.ops.aten

@@ -34,8 +34,8 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.errors import describe_node
-from sppo_fx.passes.mask_proof import MaskEvaluator
-from sppo_fx.passes.mask_values import Band, Const, NotProvable, SeqLimit, exact_range, record_seq_limit
+from sppo_fx.passes.masks.proof import MaskEvaluator
+from sppo_fx.passes.masks.values import Band, Const, NotProvable, SeqLimit, exact_range, record_seq_limit
 
 aten = torch.ops.aten
 

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch.utils._sympy.functions import FloorDiv, ToFloat
 
-from sppo_fx.attention import document_causal_attention, prefix_causal_attention
+from sppo_fx.chunk_attention.functions import document_causal_attention, prefix_causal_attention
 from sppo_fx.errors import SppoError, describe_node, source_line
 from sppo_fx.passes.loss_epilogue import build_epilogue, carried_partial, input_ancestors, reduction_partials
 from sppo_fx.passes.seqdim import INPUT, _is_size_node, arg_expr

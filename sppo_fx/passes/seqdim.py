@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from sppo_fx.attention import document_causal_attention, windowed_causal_attention
+from sppo_fx.chunk_attention.functions import document_causal_attention, windowed_causal_attention
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.markers import SPLIT_POINT
 from sppo_fx.passes.loss_epilogue import LOSSES, additive_reduction, class_dim_reason, loss_reduction
@@ -452,7 +452,7 @@ def analyse(gm: fx.GraphModule, seq: sympy.Symbol, param_names: Iterable[str],
         if kind == INPUT:
             info.role = "prologue"
             continue
-        if node.target in (windowed_causal_attention, document_causal_attention):  # proven by passes.causal_mask
+        if node.target in (windowed_causal_attention, document_causal_attention):  # proven by passes.masks.causal
             _check_attention_length(node, seq)
             info.role = "attention"
             continue

@@ -34,7 +34,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from sppo_fx.attention import prefix_causal_attention
+from sppo_fx.chunk_attention.functions import prefix_causal_attention
 from sppo_fx.errors import SppoError
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 import sppo_fx.ops.seq_parallel  # noqa: F401  (registers sppo.seq_to_heads / heads_to_seq)

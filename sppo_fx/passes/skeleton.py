@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from sppo_fx.attention import prefix_causal_attention
+from sppo_fx.chunk_attention.functions import prefix_causal_attention
 from sppo_fx.errors import SppoError
 from sppo_fx.ops.skeleton import streamed_prefix_attention
 

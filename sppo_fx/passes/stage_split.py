@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from sppo_fx.errors import SppoError
 from sppo_fx.markers import SPLIT_POINT
-from sppo_fx.attention import document_causal_attention, windowed_causal_attention
+from sppo_fx.chunk_attention.functions import document_causal_attention, windowed_causal_attention
 from sppo_fx.passes.seqdim import DATA, SDPA
 
 aten = torch.ops.aten

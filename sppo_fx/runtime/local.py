@@ -31,7 +31,7 @@ from sppo_fx.ops.seq_parallel import active_split
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.kv_window import skeleton_bytes, window_prefix
-from sppo_fx.skeleton_rows import keeps_no_buffer, window_first
+from sppo_fx.util.skeleton_rows import keeps_no_buffer, window_first
 from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
 import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 

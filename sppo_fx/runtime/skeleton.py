@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from sppo_fx.runtime.skeleton_log import SkeletonLog
-from sppo_fx.skeleton_rows import blocks_read, last_reader, stored_first, window_firsts
+from sppo_fx.util.skeleton_rows import blocks_read, last_reader, stored_first, window_firsts
 
 
 class BlockStream:

@@ -4,7 +4,7 @@
 (the same per-rank action lists the runtime executes) on a model of the hardware and
 returns a :class:`SimResult`: the step time, the bubble fraction, each rank's busy time,
 peak memory and memory timeline, and every event for a Chrome trace
-(:mod:`sppo_fx.trace`).
+(:mod:`sppo_fx.util.chrome_trace`).
 
 Resources
 ---------

@@ -79,10 +79,10 @@ from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.passes import cost as cost_model
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
-from sppo_fx.skeleton_rows import blocks_read, chunk_copy_rows, keeps_no_buffer, kept_first, window_firsts
+from sppo_fx.util.skeleton_rows import blocks_read, chunk_copy_rows, keeps_no_buffer, kept_first, window_firsts
 from sppo_fx.solver.clock import Clock, StepTerms, attention_seconds, overhead_seconds
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
-from sppo_fx.units import parse_bytes
+from sppo_fx.util.units import parse_bytes
 
 def parse_budget(budget) -> int:
     """Bytes from an int or a string such as "12GiB", "500MiB", "1.5GB" (`units.parse_bytes`).

@@ -94,7 +94,7 @@ def attention_pair_seconds(device, budget_s: float = 0.3) -> tuple[float, float]
     On a CPU attention is bound by its softmax and memory traffic more than by FLOPs (a head
     dim of 8 runs at a few percent of the matmul rate), hence a figure of its own."""
     import torch
-    from sppo_fx.ops.chunk_attention import chunk_attention
+    from sppo_fx.chunk_attention.op import chunk_attention
     n, heads = 512, 4
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     per = []

@@ -2,7 +2,7 @@
 
 Per rank, for chunks of c tokens, b sequences, S sequence-parallel and D data-parallel ranks:
 
-    compute   the pipeline schedule clock (`solver.pipeline.predict`) on 1/(D·S) of every
+    compute   the pipeline schedule clock (`solver.pipeline_chunks.predict`) on 1/(D·S) of every
               chunk's FLOPs: D splits the sequences, S the tokens outside attention and
               the heads inside it (so ~1/S of each). A matmul then has 1/(D·S) of the rows,
               so the efficiency is eff(c / (D·S)) (see `ComputeModel`).
@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.solver.partition import ChunkCostModel
-from sppo_fx.solver.pipeline import ComputeModel, predict
+from sppo_fx.solver.pipeline_chunks import ComputeModel, predict
 
 
 @dataclasses.dataclass(frozen=True)

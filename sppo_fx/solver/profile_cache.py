@@ -6,7 +6,7 @@ call. It returns the profile stored for this machine, device and offload directo
 measurement (about a second, more on a busy machine).
 
 Where: `$SPPO_FX_CACHE_DIR/profiles/` (default `$XDG_CACHE_HOME/sppo_fx`, else
-`~/.cache/sppo_fx`; `sppo_fx/disk_cache.py`), one JSON file per key. The key names what the
+`~/.cache/sppo_fx`; `sppo_fx/util/disk_cache.py`), one JSON file per key. The key names what the
 figures depend on: the device (CPU model and core count, or the GPU's name), torch's thread
 count, and the filesystem of the offload directory (the disk tier's bandwidth).
 
@@ -26,9 +26,9 @@ import os
 import platform
 import tempfile
 
-from sppo_fx.disk_cache import cache_root, enabled, private_dir, read_private, write_atomically
-from sppo_fx.forked import others_runnable
-from sppo_fx.log import get_logger, phase
+from sppo_fx.util.disk_cache import cache_root, enabled, private_dir, read_private, write_atomically
+from sppo_fx.util.forked import others_runnable
+from sppo_fx.util.log import get_logger, phase
 from sppo_fx.solver.profiles import DeviceProfile, calibrate
 
 log = get_logger(__name__)

@@ -21,7 +21,7 @@ one micro-batch in flight both are the single-stage budget and peak).
 from __future__ import annotations
 
 from sppo_fx.errors import InfeasibleBudget
-from sppo_fx.log import get_logger
+from sppo_fx.util.log import get_logger
 from sppo_fx.plan import Plan
 
 log = get_logger(__name__)

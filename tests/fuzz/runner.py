@@ -173,7 +173,7 @@ def run_program(prog: Program, offload_dir: str | None = None) -> Result:
 def replay_command(seed: int, sp: int = 1) -> str:
     if sp > 1:
         return f".venv/bin/python -m tests.fuzz.runner --program {seed} --sp {sp}"
-    return (f"SPPO_PROGRAM_FUZZ_SEED={seed} .venv/bin/python -m pytest -q -n0 tests/test_program_fuzz.py"
+    return (f"SPPO_PROGRAM_FUZZ_SEED={seed} .venv/bin/python -m pytest -q -n0 tests/e2e/test_program_fuzz.py"
             f"  (or: .venv/bin/python -m tests.fuzz.runner --program {seed})")
 
 

@@ -58,7 +58,7 @@ calls causal SDPA without a mask there); when it saves something else, `level2_b
 (`measure_saved_bytes`): the predictions are exact for the GPT, Llama and Hugging Face
 Llama reference models at every (c, p) tried.
 
-Findings worth knowing (documented in tests/test_cost.py too): the reference attention
+Findings worth knowing (documented in tests/passes/test_cost.py too): the reference attention
 path saves `cat(prefix, k)` and `cat(prefix, v)` — per chunk, a private copy of all K/V
 up to the chunk (kind "kv_concat", `2·b·h_kv·(p + c)·d` per layer) — and a float
 `[c, p + c]` mask (kind "mask"). Both grow with the prefix; an attention kernel whose

@@ -4,7 +4,7 @@ within one (docs/architecture.md, "The memory model").
 `saved_tensors_by_policy` (passes/cost/saved.py) traces the chunk program's joint graph with
 AOTAutograd and partitions it per recompute policy: the slow part of a budgeted first call.
 `stored_saved_tensors_by_policy` returns the same result, read from
-`$SPPO_FX_CACHE_DIR/memory_model/` (`sppo_fx/disk_cache.py`: a directory of this user's
+`$SPPO_FX_CACHE_DIR/memory_model/` (`sppo_fx/util/disk_cache.py`: a directory of this user's
 that no one else may write; one JSON file per key, written atomically) or from this
 process's memo, and computes and stores it otherwise. A file is data, never code: sympy
 expressions are stored as trees of a few known functions, symbols and integers (`_encode`),
@@ -35,8 +35,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from sppo_fx.disk_cache import cache_root, enabled, private_dir, read_private, source_digest, write_atomically
-from sppo_fx.log import get_logger, phase
+from sppo_fx.util.disk_cache import cache_root, enabled, private_dir, read_private, source_digest, write_atomically
+from sppo_fx.util.log import get_logger, phase
 from sppo_fx.passes.cost.data import SavedTensor
 from sppo_fx.passes.cost.saved import saved_tensors_by_policy
 from sppo_fx.passes.cost.shapes import _input_specs
@@ -338,12 +338,12 @@ def stored_saved_tensors_for_examples(program, values, batch: int, examples: lis
                                       params: list[torch.Tensor] | None = None, device=None, **kw) -> list:
     """`stored_saved_tensors_by_policy` at each of two examples (the example chunk and the
     first chunk, `p0 = 0`), in order. When both must be traced on CPU, the second is traced
-    in a forked child process while this one traces the first (`sppo_fx/forked.py`): two
+    in a forked child process while this one traces the first (`sppo_fx/util/forked.py`): two
     AOTAutograd traces are Python work that one process can only run one after the other.
     The child stores its result on disk like this process; its result is kept in this
     process's memo too. Same results as calling `stored_saved_tensors_by_policy` twice."""
     import functools
-    from sppo_fx.forked import ForkedCall, can_fork
+    from sppo_fx.util.forked import ForkedCall, can_fork
 
     kw = dict(kw, recomputes=tuple(dict.fromkeys(kw.get("recomputes", ("none",)))))  # as the keys are made
     calls = [functools.partial(stored_saved_tensors_by_policy, program, values, batch, example=e,

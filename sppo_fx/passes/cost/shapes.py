@@ -109,7 +109,7 @@ def symbolic_values(program, seq=None, hints: tuple[int, int] = (7, 11)) -> dict
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from sppo_fx._compat import symbolic_dispatch
+    from sppo_fx.util.compat import symbolic_dispatch
 
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)

@@ -1,0 +1,68 @@
+"""Hugging Face families whose attention has score variants, trained exactly in chunks:
+Gemma 2 with attention logit soft-capping on (its only attention is written out: HF has no
+SDPA path for it, so default and eager are the same code), with full and sliding-window
+layers. Each test prints the largest relative gradient difference against eager (the
+number docs/models-attention.md reports; run with -s to see it).
+
+Bloom and MPT (ALiBi): tests/e2e/test_hf_families_alibi.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import sppo_fx
+from sppo_fx.errors import SppoError
+
+from conftest import assert_matches_eager, eager_loss_and_grads
+
+T, BATCH, CHUNKS, VOCAB = 64, 2, 4, 100
+GEMMA2 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=8,
+              attn_logit_softcapping=5.0, final_logit_softcapping=30.0)
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (BATCH, T), generator=torch.Generator().manual_seed(0))
+
+
+def _largest_relative_grad_diff(model, ref_grads):
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            ref = ref_grads[name]
+            worst = max(worst, float((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+    return worst
+
+
+def _check(model, ids, label, **options):
+    compiled = sppo_fx.compile(model, chunks=CHUNKS, compile=False, **options)
+    _, ref_grads = eager_loss_and_grads(model, lambda m: m(input_ids=ids, labels=ids).loss)
+    loss = compiled(input_ids=ids, labels=ids)
+    loss.backward()
+    print(f"\n{label}: largest relative grad diff {_largest_relative_grad_diff(model, ref_grads):.2e}")
+    model.zero_grad(set_to_none=True)
+    assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
+                         lambda: compiled(input_ids=ids, labels=ids))
+    return compiled
+
+
+@pytest.mark.parametrize("attn", [None, "eager"], ids=["default", "eager"])
+def test_gemma2_softcapping_matches_eager(attn):
+    torch.manual_seed(0)
+    kwargs = dict(GEMMA2, sliding_window=128, layer_types=["full_attention"] * 2)
+    if attn:
+        kwargs["attn_implementation"] = attn
+    model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**kwargs))
+    compiled = _check(model, _ids(), f"gemma2 ({attn or 'default'})")
+    assert len(compiled.program.attention) == 2
+
+
+def test_gemma2_softcapping_with_sliding_window_layers_matches_eager():
+    # alternating sliding (W = 16 < T) and full layers, as Gemma 2 ships: soft-cap in a band
+    torch.manual_seed(0)
+    model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**GEMMA2, sliding_window=16,
+                                                 layer_types=["sliding_attention", "full_attention"]))
+    compiled = _check(model, _ids(), "gemma2 sliding+full")
+    assert sorted(str(s.window) for s in compiled.program.attention) == ["16", "None"]
