@@ -213,7 +213,7 @@ def test_memory_script_names_map_to_engine_rows():
     args = argparse.Namespace(chunks=8, sppo_compile=True, tier=None)
     base = BenchConfig(size="bench", seq_len=4096)
     rows = [mod.config_for(n, base, args) for n in mod.CONFIGS + ["sppo-skel-25%"]]
-    assert [r.label for r in rows] == ["eager", "checkpoint", "compile-amb:0.5", "sppo chunks=8 compile=on",
+    assert [r.label for r in rows] == ["eager", "compile", "checkpoint", "compile-amb:0.5", "sppo chunks=8 compile=on",
                                        "sppo budget=50% compile=on", "sppo budget=25% compile=on",
                                        "sppo budget=25% skeleton=offload compile=on"]
     assert all(r.seq_len == 4096 for r in rows)

@@ -347,8 +347,8 @@ AOT_SCRIPT = textwrap.dedent(
     CA = importlib.import_module("sppo_fx.chunk_attention.op")
 
     PTR = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ"}
-    F32PTR = {"LSE", "DELTA", "DLSE"}
-    FLOAT = {"qk_scale", "scale"}
+    F32PTR = {"LSE", "DELTA", "DLSE", "SINKS", "SLOPES"}
+    FLOAT = {"qk_scale", "scale", "cap_in", "cap_out"}
     TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
     def compile_one(jit, dtype, constexprs, num_warps, num_stages):
@@ -388,7 +388,16 @@ AOT_SCRIPT = textwrap.dedent(
             ce = dict(HEAD_DIM=d, BLOCK_D=bd, CHECK_D=bd != d, CAUSAL=causal,
                       DOT_PRECISION=CA._dot_precision(dtype), UPCAST=False,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+            # the variants' switches (soft-capping, sinks, ALiBi): off here, as in the default op;
+            # on in the fwd "variants" entry below
+            ce.update({k: False for k in ("SOFTCAP", "HAS_SINK", "HAS_ALIBI") if k in jit.arg_names})
             name = f"{kind}_{TY[dtype]}_d{d}_causal{int(causal)}"
+            try:
+                results[name] = {"shared": compile_one(jit, dtype, ce, cfg["num_warps"], cfg["num_stages"])}
+            except Exception:
+                results[name] = {"error": traceback.format_exc()[-3000:]}
+            ce.update({k: True for k in ("SOFTCAP", "HAS_SINK", "HAS_ALIBI") if k in jit.arg_names})
+            name = f"{kind}_variants_{TY[dtype]}_d{d}_causal{int(causal)}"
             try:
                 results[name] = {"shared": compile_one(jit, dtype, ce, cfg["num_warps"], cfg["num_stages"])}
             except Exception:
@@ -554,7 +563,7 @@ def test_triton_kernels_compile_for_sm90(aot_results):
         pytest.skip(aot["_unavailable"])
     errors = {k: v["error"] for k, v in aot.items() if "error" in v}
     assert not errors, "\n\n".join(f"{k}:\n{e}" for k, e in errors.items())
-    assert len(aot) == 7
+    assert len(aot) == 13  # 6 kernels x (default, variants) + preprocess
     for name, info in aot.items():
         assert info["shared"] <= 227 * 1024, f"{name} needs {info['shared']} bytes of shared memory"
 

@@ -242,7 +242,7 @@ def test_attention_bench_runs_on_cpu(capsys):
     # bench/attention.py's CPU variant: the flash split against SDPA with a mask, tiny sizes
     import importlib.util
     import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "chunk_attention/functions.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "attention.py")
     spec = importlib.util.spec_from_file_location("bench_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

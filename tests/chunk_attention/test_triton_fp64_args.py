@@ -25,9 +25,9 @@ except ImportError:  # pragma: no cover - older triton layouts
     _NVIDIA = False
 
 _TILES = dict(HEAD_DIM=64, BLOCK_D=64, CHECK_D=False, BLOCK_M=64, BLOCK_N=64, CAUSAL=True,
-              DOT_PRECISION="ieee", UPCAST=False)
-_FLOATS = ("scale", "qk_scale")
-_FP32_POINTERS = ("LSE", "DELTA")
+              DOT_PRECISION="ieee", UPCAST=False, SOFTCAP=False, HAS_SINK=False, HAS_ALIBI=False)
+_FLOATS = ("scale", "qk_scale", "cap_in", "cap_out")
+_FP32_POINTERS = ("LSE", "DELTA", "SINKS", "SLOPES")
 _POINTERS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") + _FP32_POINTERS
 
 

@@ -4,6 +4,7 @@ one `compiled.step` each (compile=False), against eager. argv[1]: a JSON list of
 ("sp", "pp", "dp"). Prints one JSON line: per layout whether the loss matched, the
 parameters outside tolerance and the largest relative gradient difference."""
 import json
+import os
 import sys
 
 import torch
@@ -11,7 +12,8 @@ import torch.distributed as dist
 
 import sppo_fx
 from sppo_fx.runtime.distributed import init_from_env
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes"))  # test_moe
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes"),
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # tests/: conftest  # test_moe
 from test_moe import build
 
 RTOL, ATOL = 1e-4, 1e-5

@@ -3,6 +3,7 @@ with attention_mask=ones under seq_parallel=2 (compile=False), one `compiled.ste
 eager; then a step with a padded mask, which every rank must refuse before any step (each
 rank checks the whole batch it was given). Prints one JSON line."""
 import json
+import os
 import sys
 
 import torch
@@ -11,7 +12,8 @@ import torch.distributed as dist
 import sppo_fx
 from sppo_fx.errors import SppoError
 from sppo_fx.runtime.distributed import init_from_env
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes"))  # test_ones_inputs
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes"),
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # tests/: conftest  # test_ones_inputs
 from test_ones_inputs import _ids, _model, _padded
 
 RTOL, ATOL = 1e-4, 1e-5

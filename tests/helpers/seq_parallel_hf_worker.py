@@ -24,7 +24,7 @@ import transformers as tf
 
 import sppo_fx
 from sppo_fx.models import build
-from sppo_fx.runtime import pipeline
+from sppo_fx.orchestrate import ranks as pipeline  # the orchestrator shards the heads (build_rank)
 from sppo_fx.runtime.distributed import init_from_env
 
 T, VOCAB, RTOL, ATOL = 32, 64, 1e-4, 1e-5
