@@ -48,6 +48,17 @@ def test_opt_trains_exactly_in_chunks(attn):
     assert not any(n.target is torch.ops.aten.cumsum.default for n in compiled.program.chunk.graph.nodes)
 
 
+def test_opt_with_packed_documents_trains_exactly_in_chunks():
+    # position_ids restarting at each document (packed sequences): the positions are an input
+    # and whatever HF derives from them (the learned positions, and masking_utils' packed mask
+    # where it detects one) must match eager; the boundary (24) falls inside a 16-token chunk
+    model, ids = _opt(), _ids()
+    pos = torch.cat([torch.arange(24), torch.arange(T - 24)])[None].repeat(BATCH, 1)
+    compiled = sppo_fx.compile(model, chunks=CHUNKS, compile=False)
+    assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids, position_ids=pos, use_cache=False).loss,
+                         lambda: compiled(input_ids=ids, labels=ids, position_ids=pos, use_cache=False))
+
+
 def test_opt_with_a_padding_attention_mask_is_refused_before_any_step():
     model, ids = _opt(), _ids()
     mask = torch.ones_like(ids)
