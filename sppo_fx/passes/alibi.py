@@ -35,14 +35,16 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _PRODUCTS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default}
 
 
-def _has_product_ancestor(node: fx.Node, limit: int = 12) -> bool:
+def has_ancestor(node: fx.Node, targets, limit: int = 12) -> bool:
+    """Whether a call to one of `targets` lies within `limit` steps above `node` (which side
+    of an add is the scores: the one a product of q and k feeds)."""
     seen, stack = set(), [(node, 0)]
     while stack:
         n, depth = stack.pop()
         if n in seen or depth > limit:
             continue
         seen.add(n)
-        if n.op == "call_function" and n.target in _PRODUCTS:
+        if n.op == "call_function" and n.target in targets:
             return True
         stack.extend((a, depth + 1) for a in n.all_input_nodes)
     return False
@@ -63,7 +65,7 @@ def strip_bias(s: fx.Node) -> tuple[fx.Node, Bias | None]:
     a, b = s.args[0], s.args[1]
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
         return s, None
-    pa, pb = _has_product_ancestor(a), _has_product_ancestor(b)
+    pa, pb = has_ancestor(a, _PRODUCTS), has_ancestor(b, _PRODUCTS)
     if pa == pb:
         return s, None
     scores, bias = (a, b) if pa else (b, a)

@@ -45,13 +45,14 @@ import torch.fx as fx
 
 from sppo_fx.errors import SppoError, describe_node
 from sppo_fx.chunk_attention.functions import document_causal_attention, windowed_causal_attention
-from sppo_fx.passes.alibi import match_baddbmm, match_bmm_out, prove_alibi, strip_bias
+from sppo_fx.passes.alibi import has_ancestor, match_baddbmm, match_bmm_out, prove_alibi, strip_bias
 from sppo_fx.passes.attention_variants import match_sink, refuse_stray_tanh, strip_softcap
 from sppo_fx.passes.masks.document import ProvenMask, document_positions_node, prove_mask
 from sppo_fx.passes.masks.proof import CAST_OPS, NotProvable, evaluate_mask, is_blocking_fill, record_seq_limit
 from sppo_fx.passes.seqdim import SDPA
 
 aten = torch.ops.aten
+_MATMUL = {aten.matmul.default}
 
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _SCALE_MUL = {aten.mul.Tensor, aten.mul.Scalar}
@@ -222,21 +223,8 @@ def _scores_operand(op: fx.Node) -> fx.Node | None:
         a, b = op.args[0], op.args[1]
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
             return None
-        return b if _has_matmul_ancestor(b) and not _has_matmul_ancestor(a) else a
+        return b if has_ancestor(b, _MATMUL) and not has_ancestor(a, _MATMUL) else a
     return op.args[0]
-
-
-def _has_matmul_ancestor(node: fx.Node, limit: int = 12) -> bool:
-    seen, stack = set(), [(node, 0)]
-    while stack:
-        n, depth = stack.pop()
-        if n in seen or depth > limit:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target is aten.matmul.default:
-            return True
-        stack.extend((a, depth + 1) for a in n.all_input_nodes)
-    return False
 
 
 def _mask_operand(op: fx.Node, chain_nodes: list):
