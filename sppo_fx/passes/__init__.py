@@ -87,11 +87,27 @@ def transform(captured: Captured, log: bool | None = None,
         (the analysed captured graph, the ChunkedProgram).
     """
     try:
-        return _transform(captured, log, [])
-    except SppoError:
-        if not (guards := ones_candidates(captured, ones_inputs)):
-            raise
-    return _transform(captured, log, guards)
+        try:
+            return _transform(captured, log, [])
+        except SppoError:
+            if not (guards := ones_candidates(captured, ones_inputs)):
+                raise
+        return _transform(captured, log, guards)
+    except SppoError as e:
+        raise _with_input_labels(e, captured) from None
+
+
+def _with_input_labels(error: SppoError, captured: Captured) -> SppoError:
+    """The error with each graph input the passes quote by its placeholder name ('tensors_1')
+    quoted by where the user passed it ('attention_mask'): what the user can change."""
+    message = str(error)
+    labels = [(n, lab) for n, lab in zip(captured.input_names, captured.input_labels or []) if n != lab]
+    # longest names first: 'tensors_1' must not rewrite the front of 'tensors_12'
+    for name, label in sorted(labels, key=lambda p: -len(p[0])):
+        message = message.replace(f"'{name}'", f"'{label}'")
+    if message == str(error) or type(error) is not SppoError:
+        return error
+    return SppoError(message).with_traceback(error.__traceback__)
 
 
 def _transform(captured: Captured, log: bool | None, ones: list) -> tuple[fx.GraphModule, ChunkedProgram]:

@@ -153,3 +153,21 @@ def test_decorated_function_needs_model_first():
     step = sppo_fx.compile(chunks=2, compile=False)(lambda m, x: m(x, x))
     with pytest.raises(SppoError, match="first argument must be the nn.Module"):
         step(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_refused_input_is_named_as_the_user_passed_it():
+    """A mask the passes cannot prove is named by the keyword it came in ('attention_mask'),
+    not by its graph placeholder ('tensors_1')."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (1, 16))
+    mask = torch.ones(1, 16, dtype=torch.long)
+    mask[0, :5] = 0  # left padding: not provably causal
+    compiled = sppo_fx.compile(model, chunks=2, compile=False)
+    with pytest.raises(SppoError, match="input 'attention_mask'") as info:
+        compiled(input_ids=ids, attention_mask=mask, labels=ids)
+    assert "tensors_" not in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
