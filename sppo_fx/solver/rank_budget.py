@@ -166,7 +166,8 @@ def solve_budget(cost, models: list, seq_len: int, budget: int, *, profile, devi
     plan, memory = found[tier]
     if offload == "auto":
         plan.tier_steps = {t: found[t][0].step_seconds if t in found else None for t in tiers}
-        log.info("%stier %s: predicted step %s%s", "" if rank is None else f"rank {rank} ", tier,
+        log.info("%soffload='auto' chose the %s tier (predicted step: %s%s)", "" if rank is None else f"rank {rank}: ",
+                 tier,
                  ", ".join(f"{t} {p.step_seconds:.3g} s" for t, (p, _m) in found.items()),
                  "".join(f"; host refused: pins {b / 2**30:.2f} GiB of {host_memory / 2**30:.2f} GiB"
                          for b in refused.values()))
@@ -176,7 +177,7 @@ def solve_budget(cost, models: list, seq_len: int, budget: int, *, profile, devi
 def _solve_tier(cost, models: list, seq_len: int, budget: int, *, profile, device: str, tier: str, skeletons,
                 chunk_lengths, inflight: int, rank, schedule, compiled: bool):
     """`solve_budget` on one tier: its bandwidth, page cache (disk) and clock."""
-    offload = tier
+    offload = tier  # None: no tier (infinite bandwidth, nothing costs a copy)
     from sppo_fx.solver.budget import budget_plan, solve
     from sppo_fx.solver.clock import Clock
     bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(offload, float("inf"))
@@ -204,12 +205,12 @@ def _solve_tier(cost, models: list, seq_len: int, budget: int, *, profile, devic
         chosen.peak_bytes = fixed + inflight * (chosen.peak_bytes - fixed)
     plan = budget_plan(seq_len, chosen, budget, offload)
     if rank is None:
-        log.info("plan: %d chunks, recompute %s, K/V skeleton %s, predicted peak %.1f MiB of %.1f MiB, "
-                 "predicted step %.3g s", len(plan.chunk_lengths), plan.recompute, plan.skeleton,
+        log.info("plan: %d chunks, %s tier, recompute %s, K/V skeleton %s, predicted peak %.1f MiB of %.1f MiB, "
+                 "predicted step %.3g s", len(plan.chunk_lengths), tier, plan.recompute, plan.skeleton,
                  plan.peak_bytes / 2**20, plan.budget_bytes / 2**20, plan.step_seconds)
     else:
-        log.info("rank %d plan: recompute %s, offload ratios %s, predicted peak %.1f MiB of %.1f MiB (%d "
-                 "micro-batches in flight)", rank, plan.recompute, [round(a, 3) for a in plan.offload_ratios],
+        log.info("rank %d plan: %s tier, recompute %s, offload ratios %s, predicted peak %.1f MiB of %.1f MiB (%d "
+                 "micro-batches in flight)", rank, tier, plan.recompute, [round(a, 3) for a in plan.offload_ratios],
                  plan.peak_bytes / 2**20, budget / 2**20, inflight)
     return plan, next(m for m in models if m.recompute == chosen.recompute)
 
