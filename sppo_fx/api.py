@@ -286,8 +286,9 @@ class SppoCompiled:
             return self.plan.peak_bytes, self.plan.step_seconds
         (memory,) = memory_models(e, (o.recompute_for(self.plan),))
         self.profile = device_profile(e, o, self.profile)
-        return predict_plan(e.cost, memory, self.plan, offload=o.tier_for(self.plan), skeleton=o.skeleton_for(self.plan),
-                            profile=self.profile, device=e.device(), compiled=o.compile)
+        return predict_plan(e.cost, memory, self.plan, offload=o.tier_for(self.plan),
+                            skeleton=o.skeleton_for(self.plan), profile=self.profile, device=e.device(),
+                            compiled=o.compile)
 
     @property
     def mesh(self):
@@ -329,8 +330,9 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         seq_dim: the sequence dim of the inputs.
         budget: peak bytes a training step may add on the device (int or "12GiB"): the solver
             chooses the chunks and which chunks' activations go to the `offload` tier
-            (default "auto": the fastest predicted of host memory, on CUDA, and disk); a budget below the minimum raises InfeasibleBudget on the first
-            call, before any step, naming the minimum. With stages > 1 the chunk lengths are
+            (default "auto": the faster predicted of host memory, on CUDA, and disk); a
+            budget below the minimum raises InfeasibleBudget on the first call, before any
+            step, naming the minimum. With stages > 1 the chunk lengths are
             shared and every rank solves its own offload ratios for its stage.
         log_passes: print each graph after its pass.
         compile: compile the chunk program with Inductor (C++ on CPU, Triton on GPU);
