@@ -52,7 +52,7 @@ class SppoCompiled:
         self.plan: Plan | None = None
         self.pipeline = None
         self._last_chunk_fn = None  # what ran the chunks in the last call
-        self._store = None
+        self._stores: dict = {}  # tier -> ActivationStore, made when a product first runs on it
         self.profile = None  # solver.profiles.DeviceProfile used by the budget solver
         self._mesh = None  # runtime.mesh.ParallelMesh, on the first distributed step
 
@@ -99,7 +99,7 @@ class SppoCompiled:
         """The chunked loss of one call under `plan` (its backward fills the model's .grad)."""
         p = stage_product(entry, self.options, plan)
         self._last_chunk_fn = p.chunk_fn
-        return chunked_loss(p.program, p.params, tensors, p.plan, p.chunk_fn, self.store, p.offload,
+        return chunked_loss(p.program, p.params, tensors, p.plan, p.chunk_fn, self._store_for(p.tier), p.offload,
                             skeleton=p.skeleton)
 
     def _verify(self, model, entry: Entry, call: tuple, plan: Plan) -> None:
@@ -120,13 +120,23 @@ class SppoCompiled:
 
     @property
     def store(self):
-        """The ActivationStore offloaded activations go to (None without `offload`)."""
-        if self.options.offload and self._store is None:
+        """The ActivationStore the last plan's offloaded activations go to (None without
+        `offload`): the tier of `options.tier_for(plan)`, the solver's choice with
+        offload="auto" (None before the first call then)."""
+        return self._store_for(self.options.tier_for(self.plan) if self.plan is not None else
+                               self.options.offload if self.options.offload != "auto" else None)
+
+    def _store_for(self, tier: str | None):
+        """The ActivationStore of `tier` (made on first use, one per tier), None for none."""
+        if tier is None:
+            return None
+        store = self._stores.get(tier)
+        if store is None:
             from sppo_fx.runtime.store import TIERS, ActivationStore
-            if self.options.offload not in TIERS:
-                raise SppoError(f"offload={self.options.offload!r}: choose one of {TIERS}")
-            self._store = ActivationStore(self.options.offload, dir=self.options.offload_dir, reuse_files=True)
-        return self._store
+            if tier not in TIERS:
+                raise SppoError(f"offload tier {tier!r}: choose one of {TIERS}")
+            store = self._stores[tier] = ActivationStore(tier, dir=self.options.offload_dir, reuse_files=True)
+        return store
 
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:
         """Forward and backward of one training step; returns the loss (detached).
@@ -164,7 +174,7 @@ class SppoCompiled:
         if state is None:
             first = not any(isinstance(k, tuple) and k[0] == "pipeline" for k in self._cache)
             state = build_rank(model, self._fn, o, mbs, mesh, check_values=first)
-            state.executor = start(state.product, mesh, self.store, o.timeout_s)
+            state.executor = start(state.product, mesh, self._store_for(state.product.tier), o.timeout_s)
             check_ones_inputs(state.graph, (args, kwargs, target))  # before verify's step
             if o.verify:
                 self._verify_pipeline(model, (args, kwargs, target), mesh, state)
@@ -190,7 +200,7 @@ class SppoCompiled:
             options = dataclasses.replace(o, plan=short, budget=None, chunks=None, chunk_lengths=None)
             with SavedGrads(model) as saved:
                 prefix_state = build_rank(model, self._fn, options, data_shares(every, mesh), mesh, check_values=False)
-                executor = start(prefix_state.product, mesh, self.store, o.timeout_s)
+                executor = start(prefix_state.product, mesh, self._store_for(prefix_state.product.tier), o.timeout_s)
                 loss = pipeline_step(executor, data_shares(every, mesh))
                 got = saved.take()
                 ref_loss, ref = reference(model, self._fn, o.loss_fn, every)
@@ -276,8 +286,9 @@ class SppoCompiled:
             return self.plan.peak_bytes, self.plan.step_seconds
         (memory,) = memory_models(e, (o.recompute_for(self.plan),))
         self.profile = device_profile(e, o, self.profile)
-        return predict_plan(e.cost, memory, self.plan, offload=o.offload, skeleton=o.skeleton_for(self.plan),
-                            profile=self.profile, device=e.device(), compiled=o.compile)
+        return predict_plan(e.cost, memory, self.plan, offload=o.tier_for(self.plan),
+                            skeleton=o.skeleton_for(self.plan), profile=self.profile, device=e.device(),
+                            compiled=o.compile)
 
     @property
     def mesh(self):
@@ -307,7 +318,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             log_passes=None, compile=True, stages=1, microbatches=1, schedule="1f1b",  # noqa: A002
             split_points=None, timeout_s=60.0, partition="balanced", offload=None, offload_dir=None,
             recompute="auto", skeleton="auto", seq_parallel=1, data_parallel=1, mesh=None, plan=None,
-            verify=False, ones_inputs=("attention_mask",)):
+            verify=False, ones_inputs=("attention_mask",), host_memory=None):
     """Compile a causal LM (or a `(model, *inputs) -> loss` function) for chunked training.
 
     Args:
@@ -319,8 +330,9 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
         seq_dim: the sequence dim of the inputs.
         budget: peak bytes a training step may add on the device (int or "12GiB"): the solver
             chooses the chunks and which chunks' activations go to the `offload` tier
-            (default "disk"); a budget below the minimum raises InfeasibleBudget on the first
-            call, before any step, naming the minimum. With stages > 1 the chunk lengths are
+            (default "auto": the faster predicted of host memory, on CUDA, and disk); a
+            budget below the minimum raises InfeasibleBudget on the first call, before any
+            step, naming the minimum. With stages > 1 the chunk lengths are
             shared and every rank solves its own offload ratios for its stage.
         log_passes: print each graph after its pass.
         compile: compile the chunk program with Inductor (C++ on CPU, Triton on GPU);
@@ -338,7 +350,12 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
             offloads its saved activations to that tier during forward and reads them back
             before its backward (prefetched one chunk ahead). Gradients are bitwise those of
             the same chunking without offload (compile=False).
+            With a budget, "auto" (the default there) lets the solver choose the tier
+            (`plan.tier`): host memory only on CUDA and within `host_memory`, else disk.
         offload_dir: where the disk tier writes (default: the system's temp dir).
+        host_memory: host bytes (int or "64GiB") the host tier may pin under a budget;
+            default: half of the host's available memory, split between the processes
+            torchrun starts on the host.
         recompute: "auto" (with a budget the solver picks "none", "cheap" or "full" per
             sequence length; otherwise "none"), or one of those: recompute everything but
             matmuls and attention ("cheap") or the whole chunk ("full") in backward
@@ -377,7 +394,7 @@ def compile(model=None, *, loss_fn=None, chunks=None, chunk_lengths=None, seq_di
                               timeout_s=timeout_s, partition=partition, offload=offload, offload_dir=offload_dir,
                               recompute=recompute, skeleton=skeleton, seq_parallel=seq_parallel,
                               data_parallel=data_parallel, mesh=mesh, plan=plan, verify=verify,
-                              ones_inputs=ones_inputs)
+                              ones_inputs=ones_inputs, host_memory=host_memory)
     if model is None:
         return lambda fn: _wrap(fn, options)
     return _wrap(model, options)

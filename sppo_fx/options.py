@@ -36,7 +36,13 @@ class CompileOptions:
         timeout_s: how long a rank waits for a peer before raising.
         partition: "balanced" (equal FLOPs per chunk: longer early chunks) or "even".
         offload: where every chunk but the last of a sequence offloads its saved activations
-            ("disk", "host", "device"), or None. A manual plan until `budget` chooses.
+            ("disk", "host", "device"), or None. A manual plan until `budget` chooses. With
+            a budget, "auto" (the default there) lets the solver choose the tier: the
+            fastest predicted plan among the tiers that free device memory ("host" only on
+            CUDA, within `host_memory`; "disk"), recorded as `Plan.tier`.
+        host_memory: host bytes the host tier may pin (int or "64GiB"); None: half of the
+            host's available memory, shared by the processes torchrun starts on the host
+            (`solver.rank_budget.host_memory_available`), read when the budget is solved.
         offload_dir: directory for the disk tier's temporary files (default: the system's).
         recompute: recompute policy of the chunk program's memory passes: "none", "cheap"
             (recompute everything but matmuls and attention in backward), "full" (recompute
@@ -77,6 +83,7 @@ class CompileOptions:
     partition: str = "balanced"
     offload: str | None = None
     offload_dir: str | None = None
+    host_memory: int | None = None
     recompute: str = "auto"
     skeleton: str = "auto"
     seq_parallel: int = 1
@@ -104,6 +111,11 @@ class CompileOptions:
         """Where the K/V skeleton lives under `plan`: the budget plan's choice, else the
         option ("auto" without a budget means "keep")."""
         return plan.skeleton or ("keep" if self.skeleton == "auto" else self.skeleton)
+
+    def tier_for(self, plan: Plan) -> str | None:
+        """The offload tier a program runs with under `plan`: the option's, or with
+        offload="auto" the plan's (the solver's choice; the store follows it)."""
+        return plan.tier if self.offload == "auto" else self.offload
 
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -153,13 +165,14 @@ def load_plan(plan) -> Plan:
 
 
 SKELETON_OPTIONS = ("auto", "keep", "offload")
+AUTO_TIER = "auto"  # offload="auto": the budget solver chooses the tier
 
 
 def compile_options(*, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1, budget=None, log_passes=None,
                     compile=True, stages=1, microbatches=1, schedule="1f1b", split_points=None,  # noqa: A002
                     timeout_s=60.0, partition="balanced", offload=None, offload_dir=None, recompute="auto",
                     skeleton="auto", seq_parallel=1, data_parallel=1, mesh=None, plan=None,
-                    verify=False, ones_inputs=("attention_mask",)) -> CompileOptions:
+                    verify=False, ones_inputs=("attention_mask",), host_memory=None) -> CompileOptions:
     """The checked `CompileOptions` of `sppo_fx.compile`'s arguments: every option, alone and
     with the others, is checked here, before any capture, solve or compile; an option no
     call could use raises SppoError naming it and what to give."""
@@ -175,7 +188,16 @@ def compile_options(*, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1,
         budget = parse_budget(budget)
         if stages == 1 and (chunks is not None or chunk_lengths is not None):
             raise SppoError("give either budget= (the solver chooses the chunks) or chunks=/chunk_lengths=")
-        offload = offload or "disk"
+        offload = offload or AUTO_TIER  # the fastest tier that frees device memory (solver/rank_budget.py)
+    elif offload == AUTO_TIER:
+        raise SppoError("offload='auto' lets the budget solver choose the tier: give budget= too, or a tier "
+                        "('disk', 'host', 'device')")
+    if host_memory is not None:
+        from sppo_fx.util.units import parse_bytes
+        host_memory = parse_bytes(host_memory, "host_memory")
+        if offload not in ("host", AUTO_TIER) or budget is None:
+            raise SppoError(f"host_memory={host_memory} bounds the host tier a budget plan pins: give it with "
+                            "budget= and offload='auto' or 'host', or leave it out")
     from sppo_fx.passes.offload import RECOMPUTE_POLICIES
     if recompute != "auto" and recompute not in RECOMPUTE_POLICIES:
         raise SppoError(f"recompute={recompute!r}: choose 'auto' or one of {RECOMPUTE_POLICIES}")
@@ -183,7 +205,7 @@ def compile_options(*, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1,
         raise SppoError(f"skeleton={skeleton!r}: choose 'auto', 'keep' or 'offload'")
     if skeleton == "offload" and offload is None:
         raise SppoError("skeleton='offload' moves the K/V skeleton to an offload tier: give offload='disk' "
-                        "(or 'host'), or a budget (which offloads to 'disk' by default)")
+                        "(or 'host'), or a budget (whose solver chooses the tier)")
     if skeleton == "offload" and int(stages) > 1:
         raise SppoError("skeleton='offload' is not supported with pipeline stages yet (stages > 1): "
                         "use skeleton='keep' or 'auto'")
@@ -208,6 +230,7 @@ def compile_options(*, loss_fn=None, chunks=None, chunk_lengths=None, seq_dim=1,
                           log_passes=log_passes, compile=compile, stages=int(stages), microbatches=int(microbatches),
                           schedule=schedule, split_points=list(split_points) if split_points else None,
                           timeout_s=float(timeout_s), partition=partition, offload=offload, offload_dir=offload_dir,
+                          host_memory=host_memory,
                           recompute=recompute, skeleton=skeleton, seq_parallel=int(seq_parallel),
                           data_parallel=int(data_parallel), mesh=mesh, plan=plan, verify=verify,
                           ones_inputs=ones_inputs_option(ones_inputs))
@@ -237,10 +260,11 @@ def check_options(chunks, chunk_lengths, stages, microbatches, schedule, timeout
         raise SppoError(f"schedule={schedule!r}: choose one of {', '.join(map(repr, SCHEDULES))}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
         raise SppoError(f"timeout_s={timeout_s!r}: give the seconds a rank waits for a peer, a finite number > 0")
-    if offload is not None:
+    if offload is not None and offload != AUTO_TIER:
         from sppo_fx.runtime.store import TIERS
         if offload not in TIERS:
-            raise SppoError(f"offload={offload!r}: choose one of {', '.join(map(repr, TIERS))} (or None)")
+            raise SppoError(f"offload={offload!r}: choose one of {', '.join(map(repr, TIERS))}, 'auto' (with a "
+                            "budget) or None")
     if offload_dir is not None:
         _check_offload_dir(offload_dir)
     check_environment()

@@ -23,7 +23,8 @@ class Plan:
         chunk_lengths: tokens per chunk, in order; they sum to `seq_len`.
         offload_ratios: per chunk, the fraction of its chunk-private saved activations
             (level 2) that leaves the device; None: nothing is offloaded.
-        tier: where offloaded activations go ("disk", "host", "device").
+        tier: where offloaded activations go ("disk", "host", "device"); with
+            `offload="auto"` the solver's choice, which the runtime's store follows.
         budget_bytes: the memory budget the plan was solved for.
         peak_bytes: predicted peak device bytes of a step.
         step_seconds: predicted step time.
@@ -39,6 +40,9 @@ class Plan:
             every chunk splits as evenly as possible (`sp_split`).
         step_terms: the predicted step's terms in seconds (`solver.clock.StepTerms`:
             compute, attention, exposed_copy, overhead); None: not predicted by terms.
+        tier_steps: with `offload="auto"`, the predicted step seconds of the best plan on
+            each candidate tier (None for a tier whose plan did not fit: the host memory it
+            may pin); None: the tier was given, not chosen.
     """
 
     seq_len: int
@@ -53,6 +57,7 @@ class Plan:
     copy_window_bytes: int | None = None
     sp_splits: list[list[int]] | None = None
     step_terms: dict | None = None
+    tier_steps: dict | None = None
 
     def __post_init__(self):
         self.chunk_lengths = [int(c) for c in self.chunk_lengths]
@@ -121,6 +126,11 @@ class Plan:
             extra.append(f"predicted step {self.step_seconds:.3g} s" + (
                 f" (compute {terms['compute']:.3g} s, attention {terms['attention']:.3g} s, exposed copy "
                 f"{terms['exposed_copy']:.3g} s, overheads {terms['overhead']:.3g} s)" if terms else ""))
+        if self.tier_steps:
+            others = [f"{t} {'not within host memory' if s is None else f'{s:.3g} s'}"
+                      for t, s in self.tier_steps.items() if t != self.tier]
+            extra.append(f"tier {self.tier} chosen by offload='auto'" + (f" (over {', '.join(others)})" if others else
+                                                                           " (the only tier that frees device memory)"))
         if self.recompute is not None:
             extra.append(f"recompute {self.recompute}")
         if self.copy_window_bytes is not None:

@@ -132,7 +132,8 @@ def build_rank(model, fn, options: CompileOptions, microbatches: list[tuple], me
     agreed = fingerprint(graphs, named, plan, schedule, shapes, shared=list(shared_ids), check_values=check_values)
     agreed["layout"] = str(layout)
     check_agreement(agreed, mesh.rank, layout.world, options.timeout_s)
-    product = RankProduct(program, params, plan, chunk_fn, "keep", quota, schedule, shared)
+    product = RankProduct(program, params, plan, chunk_fn, "keep", quota, options.tier_for(plan), schedule=schedule,
+                          shared=shared)
     return RankBuild(cap, stages, programs, product, prediction, graph)
 
 
@@ -153,7 +154,7 @@ def _solve_rank(options: CompileOptions, program, cap, params, plan: Plan, mesh:
                                      profile=device_profile(device, dir=options.offload_dir), device=device,
                                      offload=options.offload, chunk_lengths=list(plan.chunk_lengths),
                                      inflight=inflight, rank=rank, schedule=options.schedule,
-                                     compiled=options.compile)
+                                     compiled=options.compile, host_memory=options.host_memory)
     return rank_plan, offload_quota(rank_plan, memory, "keep", microbatches)
 
 

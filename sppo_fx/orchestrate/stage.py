@@ -139,7 +139,8 @@ def plan_call(entry: Entry, options: CompileOptions, seq_len: int, tensors: list
     skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
     with phase(f"solving the budget for {seq_len} tokens", log):
         plan, _memory = solve_budget(entry.cost, models, seq_len, o.budget, profile=profile, device=device,
-                                     offload=o.offload, skeletons=skeletons, compiled=o.compile)
+                                     offload=o.offload, skeletons=skeletons, compiled=o.compile,
+                                     host_memory=o.host_memory)
     entry.budget_plans[seq_len] = plan
     return plan, profile
 
@@ -191,4 +192,4 @@ def stage_product(entry: Entry, options: CompileOptions, plan: Plan) -> StagePro
     chunk_fn = None  # None: the chunk GraphModule runs op by op under eager autograd
     if needs_chunk_program(options, recompute, skeleton):
         chunk_fn = stage_program(entry, options, recompute, skeleton, plan.num_chunks)
-    return StageProduct(entry.program, entry.params(), plan, chunk_fn, skeleton, quota)
+    return StageProduct(entry.program, entry.params(), plan, chunk_fn, skeleton, quota, options.tier_for(plan))

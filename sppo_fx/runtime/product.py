@@ -31,6 +31,8 @@ class StageProduct:
             the streamed chunk program of `passes.skeleton`).
         offload: {(micro-batch, chunk): bytes} a budget plan offloads, or None (with an
             offload tier: everything every chunk but the last saves).
+        tier: the offload tier the store is built for ("disk", "host", "device"; with
+            offload="auto" the plan's, chosen by the solver), None: no store.
     """
 
     program: ChunkedProgram
@@ -39,6 +41,7 @@ class StageProduct:
     chunk_fn: object = None
     skeleton: str = "keep"
     offload: dict | None = None
+    tier: str | None = None
 
 
 @dataclasses.dataclass
