@@ -1,5 +1,5 @@
-"""Chunk 0's exact-size program: AOTAutograd's graphs op by op at once, Inductor's code once a
-background thread has compiled it.
+"""Chunk 0's exact-size programs (`ExactSizeGraphs`): AOTAutograd's graphs op by op at once,
+Inductor's code once a background thread has compiled them.
 
 Chunk 0 (an empty K/V prefix) would cost the first call a second Inductor compile
 (`CompiledProgram`, `eager_empty_prefix`), so the first call runs its AOTAutograd graphs op
@@ -25,15 +25,52 @@ training thread. A failed compile leaves chunk 0 on its op-by-op graphs, with a 
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Callable
 
 import torch
+import torch.fx as fx
 
 from sppo_fx.util.log import get_logger
 
 log = get_logger(__name__)
+
+
+_threads: list[threading.Thread] = []  # every background compile's thread (`wait_all`)
+
+
+def wait_all(timeout: float | None = None) -> bool:
+    """Wait for every background compile of this process, at most `timeout` seconds each;
+    whether none is running now."""
+    for thread in list(_threads):
+        thread.join(timeout)
+    return not any(t.is_alive() for t in _threads)
+
+
+@functools.cache
+def _register_stop_at_exit() -> None:
+    # runs when the main thread ends, before Python joins the other threads
+    threading._register_atexit(_stop_at_exit)
+
+
+def _stop_at_exit() -> None:
+    """At exit, end the background compiles still running: SystemExit raised in each thread at
+    its next Python instruction (the compile is mostly Python; context managers release its
+    locks). Nothing is lost but the compile, and Inductor's cache writes are atomic. A
+    thread still running after 60 s (waiting in C code) is joined by Python's shutdown."""
+    import ctypes
+    import time
+    for thread in _threads:
+        if thread.is_alive():
+            log.info("ending chunk 0's background compile at exit")
+        end = time.monotonic() + 60
+        # again until it ends: one landing in a callback whose exceptions are ignored
+        # (a weakref's) is lost
+        while thread.is_alive() and thread.ident is not None and time.monotonic() < end:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit))
+            thread.join(0.5)
 
 
 def enabled() -> bool:
@@ -97,7 +134,12 @@ class ExactProgram:
                 log.warning("compiling %s for chunk 0 in the background failed; chunk 0 keeps "
                             "AOTAutograd's graphs op by op", self.name, exc_info=True)
 
-        self.thread = threading.Thread(target=run, name="sppo_fx-chunk0-compile", daemon=True)
+        # not a daemon: a daemon thread inside Inductor's C++ build at interpreter exit
+        # aborts the process ("terminate called without an active exception"); `_stop_at_exit`
+        # ends it instead
+        self.thread = threading.Thread(target=run, name="sppo_fx-chunk0-compile", daemon=False)
+        _threads.append(self.thread)
+        _register_stop_at_exit()
         self.thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -106,3 +148,49 @@ class ExactProgram:
             self.thread.join(timeout)
             return not self.thread.is_alive()
         return True
+
+
+class ExactSizeGraphs:
+    """A program traced once per distinct call signature (no guards, no symbolic sizes), for
+    up to `limit` distinct argument sizes; calls of any other size go to one dynamic program.
+
+    The signature is every tensor argument's shape, stride, dtype, device and requires_grad,
+    every other argument's value (the sizes), and whether grad mode is on: any difference
+    traces again, as a failed guard would recompile. `trace(args)` returns a callable of the
+    tensor arguments, in order; `dynamic()` a callable of all of them, made on first need."""
+
+    def __init__(self, trace, limit: int, dynamic):
+        self.trace, self.limit, self.make_dynamic = trace, limit, dynamic
+        self.programs: dict = {}  # (grad mode, requires_grad per tensor, sizes) -> traced program
+        self.dynamic = None
+
+    def __call__(self, *args):
+        sizes = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                      else (type(a), a) for a in args)
+        grads = tuple(a.requires_grad for a in args if isinstance(a, torch.Tensor))
+        key = (torch.is_grad_enabled(), grads, sizes)  # training and evaluation: one size, two traces
+        fn = self.programs.get(key)
+        if fn is None:
+            seen = {k[2] for k in self.programs}
+            if sizes not in seen and len(seen) >= self.limit:
+                if self.dynamic is None:
+                    self.dynamic = self.make_dynamic()
+                return self.dynamic(*args)
+            fn = self.programs[key] = self.trace(args)
+        return fn(*[a for a in args if isinstance(a, torch.Tensor)])
+
+
+def with_constants(gm: fx.GraphModule, args) -> fx.GraphModule:
+    """`gm` with its non-tensor placeholders replaced by their values in `args` (chunk 0's
+    `chunk_start` and sizes): a GraphModule of the tensor arguments alone, in order, as
+    `over_tensor_args` makes a function of them (Inductor compiles GraphModules)."""
+    graph = fx.Graph()
+    env: dict = {}
+    placeholders = iter(args)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = next(placeholders)
+            env[node] = graph.node_copy(node, env.__getitem__) if isinstance(value, torch.Tensor) else value
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)

@@ -29,6 +29,7 @@ import threading
 import torch
 import torch.fx as fx
 
+from sppo_fx.codegen.background import ExactSizeGraphs, with_constants
 from sppo_fx.util.disk_cache import source_digest
 from sppo_fx.util.log import get_logger, phase
 
@@ -218,7 +219,10 @@ class CompiledProgram:
             told by its `chunk_start` placeholder being 0 (a streamed skeleton's prefix
             handles are empty tensors for every chunk), or, in a program without one, by an
             empty tensor argument. Same partition, same memory passes; the results differ
-            from Inductor's only by floating-point reassociation.
+            from Inductor's only by floating-point reassociation. From chunk 0's second call
+            on, Inductor compiles those exact-size programs on a background thread, and
+            chunk 0 runs Inductor's code once it is ready (`sppo_fx/codegen/background.py`),
+            so the steady step is compiled throughout.
 
     Attributes:
         partitions: one `PartitionRecord` (forward graph, backward graph, offload slots)
@@ -301,7 +305,7 @@ class CompiledProgram:
         from sppo_fx.codegen import background
         later = None
         if self.backend == "inductor" and background.enabled():
-            later = functools.partial(self._compile_exact_later, _with_constants(self.gm, args), grad_index)
+            later = functools.partial(self._compile_exact_later, with_constants(self.gm, args), grad_index)
         program_ = background.ExactProgram(run, later, self.stats, f"{self.name} program")
         self._exact.append(program_)
         return program_
@@ -316,10 +320,12 @@ class CompiledProgram:
         what = (f"compiling {self.name} program for chunk 0 at its sizes in the background (Inductor; "
                 f"recompute {self.recompute}{', offload' if self.offload else ''})")
 
+        compile_ = self._compile  # the compiler of now, not of when the thread runs
+
         def job():
             from torch._functorch import config as functorch_config
             with functorch_config.patch(force_non_lazy_backward_lowering=True), phase(what, log):
-                return self._compile(program, fakes, "inductor", grad_index=grad_index, what=what)
+                return compile_(program, fakes, "inductor", grad_index=grad_index, what=what)
         return job
 
     def wait_background(self, timeout: float | None = None) -> bool:
@@ -421,52 +427,6 @@ class CompiledProgram:
         (forward and backward kernels' wrappers; the C++/Triton sources they load sit next to
         them in Inductor's cache directory)."""
         return [m.__file__ for m in _code_modules()[self._first_module:] if getattr(m, "__file__", None)]
-
-
-class ExactSizeGraphs:
-    """A program traced once per distinct call signature (no guards, no symbolic sizes), for
-    up to `limit` distinct argument sizes; calls of any other size go to one dynamic program.
-
-    The signature is every tensor argument's shape, stride, dtype, device and requires_grad,
-    every other argument's value (the sizes), and whether grad mode is on: any difference
-    traces again, as a failed guard would recompile. `trace(args)` returns a callable of the
-    tensor arguments, in order; `dynamic()` a callable of all of them, made on first need."""
-
-    def __init__(self, trace, limit: int, dynamic):
-        self.trace, self.limit, self.make_dynamic = trace, limit, dynamic
-        self.programs: dict = {}  # (grad mode, requires_grad per tensor, sizes) -> traced program
-        self.dynamic = None
-
-    def __call__(self, *args):
-        sizes = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
-                      else (type(a), a) for a in args)
-        grads = tuple(a.requires_grad for a in args if isinstance(a, torch.Tensor))
-        key = (torch.is_grad_enabled(), grads, sizes)  # training and evaluation: one size, two traces
-        fn = self.programs.get(key)
-        if fn is None:
-            seen = {k[2] for k in self.programs}
-            if sizes not in seen and len(seen) >= self.limit:
-                if self.dynamic is None:
-                    self.dynamic = self.make_dynamic()
-                return self.dynamic(*args)
-            fn = self.programs[key] = self.trace(args)
-        return fn(*[a for a in args if isinstance(a, torch.Tensor)])
-
-
-def _with_constants(gm: fx.GraphModule, args) -> fx.GraphModule:
-    """`gm` with its non-tensor placeholders replaced by their values in `args` (chunk 0's
-    `chunk_start` and sizes): a GraphModule of the tensor arguments alone, in order, as
-    `over_tensor_args` makes a function of them (Inductor compiles GraphModules)."""
-    graph = fx.Graph()
-    env: dict = {}
-    placeholders = iter(args)
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            value = next(placeholders)
-            env[node] = graph.node_copy(node, env.__getitem__) if isinstance(value, torch.Tensor) else value
-        else:
-            env[node] = graph.node_copy(node, env.__getitem__)
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
 def _dynamic_dims(gm: fx.GraphModule) -> list[tuple[int, ...] | None]:
