@@ -1,33 +1,29 @@
 """Chunk 0's exact-size programs (`ExactSizeGraphs`): AOTAutograd's graphs op by op at once,
-Inductor's code once a background thread has compiled them.
+Inductor's code once a forked child has compiled them into Inductor's cache.
 
 Chunk 0 (an empty K/V prefix) would cost the first call a second Inductor compile
 (`CompiledProgram`, `eager_empty_prefix`), so the first call runs its AOTAutograd graphs op
-by op. In the steady state that costs: under a budget chunk 0 is often the longest chunk
-(small Llama, T = 2048, 25% budget: docs/first-call-and-caches.md). So from chunk 0's
-second call (the first step is over by then) a background thread compiles the same
-program, at the same sizes, with Inductor and the same memory passes, and the next call
-after it is done runs Inductor's code. The first call pays nothing for it; the steps that
-overlap the compile share the cores with it; a second process finds the compile in
-Inductor's FX graph cache.
+by op; in the steady state that costs Inductor's fusions in the longest chunk of a budget's
+plan. So at chunk 0's second call (the first step is over) a forked child compiles the same
+program, at the same sizes, with Inductor and the same memory passes, into Inductor's FX
+graph cache (inputs: fake copies; the backward graph at once,
+`force_non_lazy_backward_lowering`). Chunk 0 runs op by op meanwhile; at its first call
+after the child has exited, this process compiles the program itself, which Inductor's
+cache serves (an AOTAutograd trace and partition, no code generation), and runs it from
+then on. A second process finds it all in the cache.
 
-Thread safety: the compile holds Dynamo's compile lock (`torch._dynamo.convert_frame.
-compile_lock`), which every Dynamo compile in this process takes too, and chunk 0's exact
-traces (`CompiledProgram._trace_exact`) take it as well, so no two compiles or traces run
-at once; Inductor's per-graph state is thread-local (`torch._inductor.virtualized`), fake
-tensor modes and grad mode are per thread. What runs meanwhile on the caller's thread is
-compiled code and op-by-op graphs. Its inputs are fake copies made on the caller's thread
-(no real memory held). The backward graph is compiled with the forward graph
-(`force_non_lazy_backward_lowering`), not at the first backward, which would be on the
-training thread. A failed compile leaves chunk 0 on its op-by-op graphs, with a warning.
+Not a thread: AOTAutograd's and Inductor's traces (make_fx) patch `torch.nn.Module.__call__`
+for the whole process while they run, and the training thread's next module call was traced
+into them ("using FX to symbolically trace a dynamo-optimized function"). Without a fork
+(no FX graph cache, CUDA initialised) the compile runs here at the next call. A failed
+compile leaves chunk 0 on its op-by-op graphs, with a warning.
 
-`SPPO_FX_BACKGROUND_COMPILE=off` keeps chunk 0 on its op-by-op graphs (no thread).
+`SPPO_FX_BACKGROUND_COMPILE=off` keeps chunk 0 on its op-by-op graphs.
 """
 from __future__ import annotations
 
-import functools
 import os
-import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -38,39 +34,12 @@ from sppo_fx.util.log import get_logger
 log = get_logger(__name__)
 
 
-_threads: list[threading.Thread] = []  # every background compile's thread (`wait_all`)
-
-
 def wait_all(timeout: float | None = None) -> bool:
-    """Wait for every background compile of this process, at most `timeout` seconds each;
-    whether none is running now."""
-    for thread in list(_threads):
-        thread.join(timeout)
-    return not any(t.is_alive() for t in _threads)
+    """Take every chunk-0 compile under way of this process (`ExactProgram.wait`)."""
+    return all([p.wait(timeout) for p in list(_programs)])
 
 
-@functools.cache
-def _register_stop_at_exit() -> None:
-    # runs when the main thread ends, before Python joins the other threads
-    threading._register_atexit(_stop_at_exit)
-
-
-def _stop_at_exit() -> None:
-    """At exit, end the background compiles still running: SystemExit raised in each thread at
-    its next Python instruction (the compile is mostly Python; context managers release its
-    locks). Nothing is lost but the compile, and Inductor's cache writes are atomic. A
-    thread still running after 60 s (waiting in C code) is joined by Python's shutdown."""
-    import ctypes
-    import time
-    for thread in _threads:
-        if thread.is_alive():
-            log.info("ending chunk 0's background compile at exit")
-        end = time.monotonic() + 60
-        # again until it ends: one landing in a callback whose exceptions are ignored
-        # (a weakref's) is lost
-        while thread.is_alive() and thread.ident is not None and time.monotonic() < end:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit))
-            thread.join(0.5)
+_programs: weakref.WeakSet = weakref.WeakSet()  # every ExactProgram (`wait_all`)
 
 
 def enabled() -> bool:
@@ -92,9 +61,9 @@ class ExactProgram:
 
     Args:
         eager: AOTAutograd's graphs run op by op (a callable of the tensor arguments).
-        compile: given the tensor arguments of a call, returns what the background thread
-            runs: a function with no arguments returning the compiled callable. None: never
-            compile (not an Inductor program, or background compiles are off).
+        compile: given the tensor arguments of a call, returns the compile job: a function
+            with no arguments returning the compiled callable. None: never compile (not an
+            Inductor program, or background compiles are off).
         stats: the program's `CodegenStats` (calls and compiles are counted there).
         name: for messages.
     """
@@ -102,11 +71,15 @@ class ExactProgram:
     def __init__(self, eager: Callable, compile: Callable | None, stats, name: str):
         self.eager, self.compile, self.stats, self.name = eager, compile, stats, name
         self.compiled: Callable | None = None
-        self.thread: threading.Thread | None = None
-        self.failed = False
+        self.child = None  # the forked child compiling into Inductor's cache
+        self.job: Callable | None = None
+        self.grad = True
         self.calls = 0
+        _programs.add(self)
 
     def __call__(self, *tensors):
+        if self.compiled is None and self.job is not None and not self._child_running():
+            self._finish()
         fn = self.compiled
         if fn is not None:
             self.stats.exact_compiled_calls += 1
@@ -118,36 +91,72 @@ class ExactProgram:
         return self.eager(*tensors)
 
     def _start(self, tensors) -> None:
-        job = self.compile(tensors)
-        grad = torch.is_grad_enabled()
+        from sppo_fx.util.forked import ForkedChild, can_fork
+        self.job, self.grad = self.compile(tensors), torch.is_grad_enabled()
+        if not (can_fork() and not torch.cuda.is_initialized() and _cache_on()):
+            return  # compiled here at the next call
+        threads = torch.get_num_threads()
+        child = ForkedChild(f"{self.name}: chunk 0's compile")
+        if not child.fork():
+            return
+        if not child.in_child:
+            self.child = child
+            return
+        code = 1
+        try:
+            import signal
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(CHILD_LIMIT_S)  # a child stuck on a lock inherited mid-use ends
+            from torch._inductor.async_compile import AsyncCompile
+            AsyncCompile.pool.cache_clear()  # the parent's pool threads do not exist here
+            torch.get_num_threads = lambda: threads  # the parent's count: in the code and the key
+            self.job()
+            code = 0
+        finally:
+            child.exit_with(b"", code)  # never returns
 
-        def run():
-            from torch._dynamo.convert_frame import compile_lock
-            try:
-                with compile_lock, torch.set_grad_enabled(grad):
-                    fn = job()
-                self.stats.background_compiles += 1
-                self.compiled = fn  # one assignment: the caller's next call takes it
-            except Exception:  # noqa: BLE001 - the op-by-op graphs stay, and stay exact
-                self.failed = True
-                self.stats.background_failures += 1
-                log.warning("compiling %s for chunk 0 in the background failed; chunk 0 keeps "
-                            "AOTAutograd's graphs op by op", self.name, exc_info=True)
+    def _child_running(self) -> bool:
+        if self.child is None or self.child.pid is None:
+            return False
+        done, _status = os.waitpid(self.child.pid, os.WNOHANG)
+        if done == 0:
+            return True
+        self.child.pid = None  # reaped
+        self.child._close()
+        return False
 
-        # not a daemon: a daemon thread inside Inductor's C++ build at interpreter exit
-        # aborts the process ("terminate called without an active exception"); `_stop_at_exit`
-        # ends it instead
-        self.thread = threading.Thread(target=run, name="sppo_fx-chunk0-compile", daemon=False)
-        _threads.append(self.thread)
-        _register_stop_at_exit()
-        self.thread.start()
+    def _finish(self) -> None:
+        """Compile here (Inductor's cache holds what the child compiled); on failure chunk 0
+        keeps its op-by-op graphs, which are exact."""
+        job, self.job = self.job, None
+        try:
+            with torch.set_grad_enabled(self.grad):
+                self.compiled = job()
+            self.stats.background_compiles += 1
+        except Exception:  # noqa: BLE001 - the op-by-op graphs stay, and stay exact
+            self.stats.background_failures += 1
+            log.warning("compiling %s for chunk 0 failed; chunk 0 keeps AOTAutograd's graphs op by op",
+                        self.name, exc_info=True)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for a background compile under way; whether none is running now."""
-        if self.thread is not None:
-            self.thread.join(timeout)
-            return not self.thread.is_alive()
-        return True
+        """Wait for the forked child's compile, at most `timeout` seconds, then take it here;
+        whether chunk 0's compile is over."""
+        import time
+        end = None if timeout is None else time.monotonic() + timeout
+        while self._child_running() and (end is None or time.monotonic() < end):
+            time.sleep(0.2)
+        if self.job is not None and not self._child_running():
+            self._finish()
+        return self.job is None
+
+
+def _cache_on() -> bool:
+    from torch._inductor import config as inductor_config
+    return bool(inductor_config.fx_graph_cache) and not inductor_config.force_disable_caches
+
+
+# A forked compile still running this long ends itself (SIGALRM)
+CHILD_LIMIT_S = 7200
 
 
 class ExactSizeGraphs:

@@ -329,9 +329,9 @@ class CompiledProgram:
         return job
 
     def wait_background(self, timeout: float | None = None) -> bool:
-        """Wait for chunk 0's background compiles (`sppo_fx/codegen/background.py`) under way,
-        at most `timeout` seconds each; whether none is running now. A benchmark that times
-        steady steps calls it after its first step."""
+        """Wait for chunk 0's compiles under way (`sppo_fx/codegen/background.py`), at most
+        `timeout` seconds each, and take them; whether none is left. A benchmark that times
+        steady steps calls it after its second step."""
         return all([p.wait(timeout) for p in self._exact])
 
     def _partition_fn(self, grad_index):
