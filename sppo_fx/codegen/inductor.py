@@ -29,6 +29,7 @@ import threading
 import torch
 import torch.fx as fx
 
+from sppo_fx.codegen.background import ExactSizeGraphs, with_constants
 from sppo_fx.util.disk_cache import source_digest
 from sppo_fx.util.log import get_logger, phase
 
@@ -45,12 +46,22 @@ class CodegenStats:
         exact_traces: chunk 0's programs traced at its exact sizes (`CompiledProgram._trace_exact`).
         backward_in_child: compiles whose backward graph a forked child compiled into
             Inductor's cache, where this process then found it (`sppo_fx/codegen/split_compile.py`).
+        background_compiles: chunk 0's exact-size programs that Inductor compiled on a
+            background thread (`sppo_fx/codegen/background.py`); not in `compiles`.
+        background_failures: such compiles that failed (chunk 0 kept its op-by-op graphs).
+        exact_eager_calls: calls of chunk 0's exact-size programs that ran AOTAutograd's
+            graphs op by op.
+        exact_compiled_calls: calls of them that ran Inductor's code (compiled in the background).
     """
 
     compiles: int = 0
     graph_inputs: list = dataclasses.field(default_factory=list)
     exact_traces: int = 0
     backward_in_child: int = 0
+    background_compiles: int = 0
+    background_failures: int = 0
+    exact_eager_calls: int = 0
+    exact_compiled_calls: int = 0
 
 
 # Chunk-0 sizes traced exactly (no Dynamo) before chunk 0 gets one dynamic-shape program:
@@ -208,7 +219,10 @@ class CompiledProgram:
             told by its `chunk_start` placeholder being 0 (a streamed skeleton's prefix
             handles are empty tensors for every chunk), or, in a program without one, by an
             empty tensor argument. Same partition, same memory passes; the results differ
-            from Inductor's only by floating-point reassociation.
+            from Inductor's only by floating-point reassociation. From chunk 0's second call
+            on, Inductor compiles those exact-size programs on a background thread, and
+            chunk 0 runs Inductor's code once it is ready (`sppo_fx/codegen/background.py`),
+            so the steady step is compiled throughout.
 
     Attributes:
         partitions: one `PartitionRecord` (forward graph, backward graph, offload slots)
@@ -236,6 +250,7 @@ class CompiledProgram:
         self._dynamic = dynamic
         self._route_empty = backend == "inductor" and eager_empty_prefix
         self._empty_fn = None  # compiled on the first call of chunk 0
+        self._exact: list = []  # chunk 0's exact-size programs (`background.ExactProgram`)
         self._what = f"compiling {name} program"
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self._start_index = names.index("chunk_start") if "chunk_start" in names else None
@@ -283,10 +298,41 @@ class CompiledProgram:
         def run(*tensors):
             if first[0]:
                 first[0] = False
-                with phase(what, log):
+                from torch._dynamo.convert_frame import compile_lock
+                with compile_lock, phase(what, log):  # not while a background compile runs
                     return compiled(*tensors)
             return compiled(*tensors)
-        return run
+        from sppo_fx.codegen import background
+        later = None
+        if self.backend == "inductor" and background.enabled():
+            later = functools.partial(self._compile_exact_later, with_constants(self.gm, args), grad_index)
+        program_ = background.ExactProgram(run, later, self.stats, f"{self.name} program")
+        self._exact.append(program_)
+        return program_
+
+    def _compile_exact_later(self, program: fx.GraphModule, grad_index: dict, tensors) -> object:
+        """What the background thread runs for chunk 0's exact-size `program`
+        (`background.ExactProgram`): Inductor with the same memory passes, at these tensors'
+        sizes (static shapes), the forward and backward graphs at once. Fake inputs are made
+        here, on the caller's thread."""
+        from sppo_fx.codegen.background import fake_copies
+        fakes = fake_copies(tensors)
+        what = (f"compiling {self.name} program for chunk 0 at its sizes in the background (Inductor; "
+                f"recompute {self.recompute}{', offload' if self.offload else ''})")
+
+        compile_ = self._compile  # the compiler of now, not of when the thread runs
+
+        def job():
+            from torch._functorch import config as functorch_config
+            with functorch_config.patch(force_non_lazy_backward_lowering=True), phase(what, log):
+                return compile_(program, fakes, "inductor", grad_index=grad_index, what=what)
+        return job
+
+    def wait_background(self, timeout: float | None = None) -> bool:
+        """Wait for chunk 0's compiles under way (`sppo_fx/codegen/background.py`), at most
+        `timeout` seconds each, and take them; whether none is left. A benchmark that times
+        steady steps calls it after its second step."""
+        return all([p.wait(timeout) for p in self._exact])
 
     def _partition_fn(self, grad_index):
         from sppo_fx.passes.offload import memory_partitioner
@@ -310,12 +356,19 @@ class CompiledProgram:
                 f"({'Inductor' if backend == 'inductor' else 'AOTAutograd graphs, no Inductor'}; "
                 f"recompute {self.recompute}{', offload' if self.offload else ''})")
         self._what = what  # the backward's phase is named after it (`_inner_compile`)
+        self.stats.graph_inputs.append([tuple(t.shape) if isinstance(t, torch.Tensor) else t
+                                        for t in example_inputs])
         with phase(what, log):
             return self._compile(graph, example_inputs, backend)
 
-    def _compile(self, graph: fx.GraphModule, example_inputs, backend: str):
-        self.stats.graph_inputs.append([tuple(t.shape) if isinstance(t, torch.Tensor) else t
-                                        for t in example_inputs])
+    def _compile(self, graph: fx.GraphModule, example_inputs, backend: str, grad_index: dict | None = None,
+                 what: str | None = None):
+        """Compile Dynamo's `graph` (or, with `grad_index`, chunk 0's flat program on the
+        background thread: its parameter indices given, never split into a forked child)."""
+        background = grad_index is not None
+        if grad_index is None:
+            grad_index = self._grad_index(graph)
+        what = what or self._what
         if backend == "eager":
             from functorch.compile import make_boxed_func
             from torch._dynamo.backends.common import aot_autograd
@@ -323,20 +376,20 @@ class CompiledProgram:
             def keep(g, _inputs):
                 return make_boxed_func(views_as_reshapes(g).forward)
             return aot_autograd(fw_compiler=keep, bw_compiler=keep,
-                                partition_fn=self._partition_fn(self._grad_index(graph)))(graph, example_inputs)
+                                partition_fn=self._partition_fn(grad_index))(graph, example_inputs)
         from torch._inductor.compile_fx import compile_fx
         from sppo_fx.codegen import split_compile
         split = None
-        if self._dynamic and torch.is_grad_enabled() and split_compile.eligible(example_inputs):
-            split = split_compile.BackwardInChild(self._what, before_fork=_join_cpu_probe)
+        if not background and self._dynamic and torch.is_grad_enabled() and split_compile.eligible(example_inputs):
+            split = split_compile.BackwardInChild(what, before_fork=_join_cpu_probe)
         patches = {"custom_partitioner_fn": _partitioner_class()(self.recompute, self.offload, self.partitions,
-                                                                 self._grad_index(graph), split)}
+                                                                 grad_index, split)}
         from torch._functorch import config as functorch_config
         try:
             # the CPU chunk attention's autograd.Function may be cached (module docstring)
             with functorch_config.patch(autograd_cache_allow_custom_autograd_functions=True):
                 return compile_fx(graph, example_inputs, config_patches=patches,
-                                  inner_compile=_inner_compile(self._what, self.offload, split))
+                                  inner_compile=_inner_compile(what, self.offload, split))
         finally:
             if split is not None:
                 split.leave()  # the child never returns from here
@@ -374,36 +427,6 @@ class CompiledProgram:
         (forward and backward kernels' wrappers; the C++/Triton sources they load sit next to
         them in Inductor's cache directory)."""
         return [m.__file__ for m in _code_modules()[self._first_module:] if getattr(m, "__file__", None)]
-
-
-class ExactSizeGraphs:
-    """A program traced once per distinct call signature (no guards, no symbolic sizes), for
-    up to `limit` distinct argument sizes; calls of any other size go to one dynamic program.
-
-    The signature is every tensor argument's shape, stride, dtype, device and requires_grad,
-    every other argument's value (the sizes), and whether grad mode is on: any difference
-    traces again, as a failed guard would recompile. `trace(args)` returns a callable of the
-    tensor arguments, in order; `dynamic()` a callable of all of them, made on first need."""
-
-    def __init__(self, trace, limit: int, dynamic):
-        self.trace, self.limit, self.make_dynamic = trace, limit, dynamic
-        self.programs: dict = {}  # (grad mode, requires_grad per tensor, sizes) -> traced program
-        self.dynamic = None
-
-    def __call__(self, *args):
-        sizes = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
-                      else (type(a), a) for a in args)
-        grads = tuple(a.requires_grad for a in args if isinstance(a, torch.Tensor))
-        key = (torch.is_grad_enabled(), grads, sizes)  # training and evaluation: one size, two traces
-        fn = self.programs.get(key)
-        if fn is None:
-            seen = {k[2] for k in self.programs}
-            if sizes not in seen and len(seen) >= self.limit:
-                if self.dynamic is None:
-                    self.dynamic = self.make_dynamic()
-                return self.dynamic(*args)
-            fn = self.programs[key] = self.trace(args)
-        return fn(*[a for a in args if isinstance(a, torch.Tensor)])
 
 
 def _dynamic_dims(gm: fx.GraphModule) -> list[tuple[int, ...] | None]:

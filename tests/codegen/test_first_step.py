@@ -13,14 +13,23 @@ from sppo_fx.codegen.inductor import CompiledProgram
 from sppo_fx.models import build
 
 
+@pytest.fixture(autouse=True)
+def _no_background_compile_left():
+    """A test's background compiles (chunk 0's, codegen/background.py) end within the test."""
+    yield
+    from sppo_fx.codegen import background
+    assert background.wait_all(120)
+
+
 def _record_backends(monkeypatch) -> list:
     """The backend each Dynamo compile asks for; every one runs AOTAutograd's eager graphs."""
     asked = []
     original = CompiledProgram._compile
 
-    def record(self, graph, example_inputs, backend):
-        asked.append(backend)
-        return original(self, graph, example_inputs, "eager")  # no C++ compile in the test
+    def record(self, graph, example_inputs, backend, **kw):
+        # chunk 0's compile on the background thread is told by its given parameter indices
+        asked.append(backend + (" (background)" if kw.get("grad_index") is not None else ""))
+        return original(self, graph, example_inputs, "eager", **kw)  # no C++ compile in the test
 
     monkeypatch.setattr(CompiledProgram, "_compile", record)
     return asked
@@ -130,3 +139,81 @@ def test_a_budgeted_first_call_starts_the_probe_after_the_memory_model(monkeypat
     sppo_fx.compile(model, budget="64MiB", compile=True)(x, x).backward()
     inductor._cpu_probe.join(30)
     assert events == ["memory model", "device profile", "sppo_fx-inductor-cpu-probe"]
+
+
+def _steps_against_eager(model, compiled, x, steps, after=lambda step: None):
+    """`steps` training steps of `compiled`, each exact against eager's gradients."""
+    model(x, x).backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    for step in range(steps):
+        compiled(x, x).backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-5)
+        model.zero_grad(set_to_none=True)
+        after(step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skeleton", ["keep", "offload"])
+def test_chunk_zero_runs_compiled_code_once_the_background_compile_is_done(monkeypatch, tmp_path, skeleton):
+    """The first step runs chunk 0's AOTAutograd graphs op by op; its second call starts the
+    Inductor compile of the same exact-size program on a background thread (not a Dynamo
+    compile: `compiles` stays 1), and once it is done every call of chunk 0 runs the compiled
+    program. Exact against eager at every step."""
+    asked = _record_backends(monkeypatch)
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    x = torch.randint(0, 97, (1, 48))
+    extra = dict(offload="disk", skeleton="offload", offload_dir=str(tmp_path)) if skeleton == "offload" else {}
+    compiled = sppo_fx.compile(model, chunks=3, compile=True, **extra)
+    stats = []
+
+    def after(step):
+        if step == 1:
+            assert compiled.codegen.wait_background(120)
+        s = compiled.codegen.stats
+        stats.append((s.exact_eager_calls, s.exact_compiled_calls, s.background_compiles))
+    _steps_against_eager(model, compiled, x, 4, after)
+    assert stats == [(1, 0, 0), (2, 0, 1), (2, 1, 1), (2, 2, 1)]  # the compile started at step 1's call
+    assert asked == ["inductor", "inductor (background)"]
+    assert compiled.codegen.stats.compiles == 1 and compiled.codegen.stats.background_failures == 0
+
+
+@pytest.mark.slow
+def test_background_compiles_off_keep_chunk_zero_op_by_op(monkeypatch):
+    """SPPO_FX_BACKGROUND_COMPILE=off: no thread, chunk 0 keeps its AOTAutograd graphs."""
+    monkeypatch.setenv("SPPO_FX_BACKGROUND_COMPILE", "off")
+    asked = _record_backends(monkeypatch)
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    x = torch.randint(0, 97, (1, 32))
+    compiled = sppo_fx.compile(model, chunks=2, compile=True)
+    _steps_against_eager(model, compiled, x, 3)
+    assert compiled.codegen.wait_background(0)
+    s = compiled.codegen.stats
+    assert (s.exact_eager_calls, s.exact_compiled_calls, s.background_compiles) == (3, 0, 0)
+    assert asked == ["inductor"]
+
+
+@pytest.mark.slow
+def test_a_failed_background_compile_leaves_chunk_zero_op_by_op_and_exact(monkeypatch):
+    """A background compile that raises is counted and warned about; chunk 0 keeps running
+    its AOTAutograd graphs, exactly."""
+    asked = _record_backends(monkeypatch)
+    recorded = CompiledProgram._compile
+
+    def failing(self, graph, example_inputs, backend, **kw):
+        if kw.get("grad_index") is not None:
+            raise RuntimeError("no compiler here")
+        return recorded(self, graph, example_inputs, backend, **kw)
+
+    monkeypatch.setattr(CompiledProgram, "_compile", failing)
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    x = torch.randint(0, 97, (1, 32))
+    compiled = sppo_fx.compile(model, chunks=2, compile=True)
+    _steps_against_eager(model, compiled, x, 4, lambda step: compiled.codegen.wait_background(120))
+    s = compiled.codegen.stats
+    assert (s.background_failures, s.background_compiles, s.exact_eager_calls, s.exact_compiled_calls) == (1, 0, 4, 0)
+    assert asked == ["inductor"]

@@ -1,0 +1,205 @@
+"""Chunk 0's exact-size programs (`ExactSizeGraphs`): AOTAutograd's graphs op by op at once,
+Inductor's code once a forked child has compiled them into Inductor's cache.
+
+Chunk 0 (an empty K/V prefix) would cost the first call a second Inductor compile
+(`CompiledProgram`, `eager_empty_prefix`), so the first call runs its AOTAutograd graphs op
+by op; in the steady state that costs Inductor's fusions in the longest chunk of a budget's
+plan. So at chunk 0's second call (the first step is over) a forked child compiles the same
+program, at the same sizes, with Inductor and the same memory passes, into Inductor's FX
+graph cache (inputs: fake copies; the backward graph at once,
+`force_non_lazy_backward_lowering`). Chunk 0 runs op by op meanwhile; at its first call
+after the child has exited, this process compiles the program itself, which Inductor's
+cache serves (an AOTAutograd trace and partition, no code generation), and runs it from
+then on. A second process finds it all in the cache.
+
+Not a thread: AOTAutograd's and Inductor's traces (make_fx) patch `torch.nn.Module.__call__`
+for the whole process while they run, and the training thread's next module call was traced
+into them ("using FX to symbolically trace a dynamo-optimized function"). Without a fork
+(no FX graph cache, CUDA initialised) the compile runs here at the next call. A failed
+compile leaves chunk 0 on its op-by-op graphs, with a warning.
+
+`SPPO_FX_BACKGROUND_COMPILE=off` keeps chunk 0 on its op-by-op graphs.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from sppo_fx.util.log import get_logger
+
+log = get_logger(__name__)
+
+
+def wait_all(timeout: float | None = None) -> bool:
+    """Take every chunk-0 compile under way of this process (`ExactProgram.wait`)."""
+    return all([p.wait(timeout) for p in list(_programs)])
+
+
+_programs: weakref.WeakSet = weakref.WeakSet()  # every ExactProgram (`wait_all`)
+
+
+def enabled() -> bool:
+    """Whether chunk 0's exact-size programs are compiled in the background."""
+    return os.environ.get("SPPO_FX_BACKGROUND_COMPILE", "on").lower() not in ("off", "0", "false", "no")
+
+
+def fake_copies(tensors) -> list:
+    """Fake tensors of these tensors' sizes, strides, dtypes, devices and requires_grad, in one
+    fake mode with static shapes: what the background compile traces with."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    return [mode.from_tensor(t.detach().requires_grad_(t.requires_grad), static_shapes=True) for t in tensors]
+
+
+class ExactProgram:
+    """One exact-size program of chunk 0: `eager(*tensors)` until `compiled` is set.
+
+    Args:
+        eager: AOTAutograd's graphs run op by op (a callable of the tensor arguments).
+        compile: given the tensor arguments of a call, returns the compile job: a function
+            with no arguments returning the compiled callable. None: never compile (not an
+            Inductor program, or background compiles are off).
+        stats: the program's `CodegenStats` (calls and compiles are counted there).
+        name: for messages.
+    """
+
+    def __init__(self, eager: Callable, compile: Callable | None, stats, name: str):
+        self.eager, self.compile, self.stats, self.name = eager, compile, stats, name
+        self.compiled: Callable | None = None
+        self.child = None  # the forked child compiling into Inductor's cache
+        self.job: Callable | None = None
+        self.grad = True
+        self.calls = 0
+        _programs.add(self)
+
+    def __call__(self, *tensors):
+        if self.compiled is None and self.job is not None and not self._child_running():
+            self._finish()
+        fn = self.compiled
+        if fn is not None:
+            self.stats.exact_compiled_calls += 1
+            return fn(*tensors)
+        self.calls += 1
+        if self.calls == 2 and self.compile is not None:
+            self._start(tensors)  # the first call (its step) is over
+        self.stats.exact_eager_calls += 1
+        return self.eager(*tensors)
+
+    def _start(self, tensors) -> None:
+        from sppo_fx.util.forked import ForkedChild, can_fork
+        self.job, self.grad = self.compile(tensors), torch.is_grad_enabled()
+        if not (can_fork() and not torch.cuda.is_initialized() and _cache_on()):
+            return  # compiled here at the next call
+        threads = torch.get_num_threads()
+        child = ForkedChild(f"{self.name}: chunk 0's compile")
+        if not child.fork():
+            return
+        if not child.in_child:
+            self.child = child
+            return
+        code = 1
+        try:
+            import signal
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(CHILD_LIMIT_S)  # a child stuck on a lock inherited mid-use ends
+            from torch._inductor.async_compile import AsyncCompile
+            AsyncCompile.pool.cache_clear()  # the parent's pool threads do not exist here
+            torch.get_num_threads = lambda: threads  # the parent's count: in the code and the key
+            self.job()
+            code = 0
+        finally:
+            child.exit_with(b"", code)  # never returns
+
+    def _child_running(self) -> bool:
+        if self.child is None or self.child.pid is None:
+            return False
+        done, _status = os.waitpid(self.child.pid, os.WNOHANG)
+        if done == 0:
+            return True
+        self.child.pid = None  # reaped
+        self.child._close()
+        return False
+
+    def _finish(self) -> None:
+        """Compile here (Inductor's cache holds what the child compiled); on failure chunk 0
+        keeps its op-by-op graphs, which are exact."""
+        job, self.job = self.job, None
+        try:
+            with torch.set_grad_enabled(self.grad):
+                self.compiled = job()
+            self.stats.background_compiles += 1
+        except Exception:  # noqa: BLE001 - the op-by-op graphs stay, and stay exact
+            self.stats.background_failures += 1
+            log.warning("compiling %s for chunk 0 failed; chunk 0 keeps AOTAutograd's graphs op by op",
+                        self.name, exc_info=True)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the forked child's compile, at most `timeout` seconds, then take it here;
+        whether chunk 0's compile is over."""
+        import time
+        end = None if timeout is None else time.monotonic() + timeout
+        while self._child_running() and (end is None or time.monotonic() < end):
+            time.sleep(0.2)
+        if self.job is not None and not self._child_running():
+            self._finish()
+        return self.job is None
+
+
+def _cache_on() -> bool:
+    from torch._inductor import config as inductor_config
+    return bool(inductor_config.fx_graph_cache) and not inductor_config.force_disable_caches
+
+
+# A forked compile still running this long ends itself (SIGALRM)
+CHILD_LIMIT_S = 7200
+
+
+class ExactSizeGraphs:
+    """A program traced once per distinct call signature (no guards, no symbolic sizes), for
+    up to `limit` distinct argument sizes; calls of any other size go to one dynamic program.
+
+    The signature is every tensor argument's shape, stride, dtype, device and requires_grad,
+    every other argument's value (the sizes), and whether grad mode is on: any difference
+    traces again, as a failed guard would recompile. `trace(args)` returns a callable of the
+    tensor arguments, in order; `dynamic()` a callable of all of them, made on first need."""
+
+    def __init__(self, trace, limit: int, dynamic):
+        self.trace, self.limit, self.make_dynamic = trace, limit, dynamic
+        self.programs: dict = {}  # (grad mode, requires_grad per tensor, sizes) -> traced program
+        self.dynamic = None
+
+    def __call__(self, *args):
+        sizes = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                      else (type(a), a) for a in args)
+        grads = tuple(a.requires_grad for a in args if isinstance(a, torch.Tensor))
+        key = (torch.is_grad_enabled(), grads, sizes)  # training and evaluation: one size, two traces
+        fn = self.programs.get(key)
+        if fn is None:
+            seen = {k[2] for k in self.programs}
+            if sizes not in seen and len(seen) >= self.limit:
+                if self.dynamic is None:
+                    self.dynamic = self.make_dynamic()
+                return self.dynamic(*args)
+            fn = self.programs[key] = self.trace(args)
+        return fn(*[a for a in args if isinstance(a, torch.Tensor)])
+
+
+def with_constants(gm: fx.GraphModule, args) -> fx.GraphModule:
+    """`gm` with its non-tensor placeholders replaced by their values in `args` (chunk 0's
+    `chunk_start` and sizes): a GraphModule of the tensor arguments alone, in order, as
+    `over_tensor_args` makes a function of them (Inductor compiles GraphModules)."""
+    graph = fx.Graph()
+    env: dict = {}
+    placeholders = iter(args)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = next(placeholders)
+            env[node] = graph.node_copy(node, env.__getitem__) if isinstance(value, torch.Tensor) else value
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
