@@ -161,6 +161,7 @@ def test_chunk_zero_runs_compiled_code_once_the_background_compile_is_done(monke
     Inductor compile of the same exact-size program on a background thread (not a Dynamo
     compile: `compiles` stays 1), and once it is done every call of chunk 0 runs the compiled
     program. Exact against eager at every step."""
+    monkeypatch.setenv("SPPO_FX_BACKGROUND_COMPILE", "on")  # tests/conftest.py turns it off
     asked = _record_backends(monkeypatch)
     torch.manual_seed(0)
     model = build("llama", "tiny")
@@ -200,6 +201,7 @@ def test_background_compiles_off_keep_chunk_zero_op_by_op(monkeypatch):
 def test_a_failed_background_compile_leaves_chunk_zero_op_by_op_and_exact(monkeypatch):
     """A background compile that raises is counted and warned about; chunk 0 keeps running
     its AOTAutograd graphs, exactly."""
+    monkeypatch.setenv("SPPO_FX_BACKGROUND_COMPILE", "on")
     asked = _record_backends(monkeypatch)
     recorded = CompiledProgram._compile
 
