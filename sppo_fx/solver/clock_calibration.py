@@ -25,17 +25,20 @@ def _best(fn, reps: int, budget_s: float) -> float:
 
 
 def op_seconds(budget_s: float = 0.1) -> float:
-    """Fixed cost of one small op run from Python (dispatch, allocation): what every op of
-    an op-by-op chunk program pays beyond its arithmetic."""
+    """Fixed cost of one small op of an op-by-op chunk program (dispatch, allocation), per
+    op the clock counts: a chain of small ops run forward and backward through autograd,
+    over the 3 ops the clock counts per forward op (itself and about two in the backward).
+    A bare op from Python (no autograd, no backward) costs a third to a half of that."""
     import torch
-    a, b = torch.ones(64), torch.ones(64)
+    a, b = torch.ones(64, requires_grad=True), torch.ones(64)
     ops = 100
 
     def run():
         x = a
         for _ in range(ops):
-            x = torch.add(x, b)
-    return _best(run, 3, budget_s) / ops
+            x = torch.mul(x, b)
+        x.sum().backward()
+    return _best(run, 3, budget_s) / (3 * ops)
 
 
 def file_seconds(dir: str | None = None, budget_s: float = 0.15, files: int = 32) -> float:
@@ -85,6 +88,23 @@ def file_seconds(dir: str | None = None, budget_s: float = 0.15, files: int = 32
         for name in os.listdir(directory):
             os.remove(os.path.join(directory, name))
         os.rmdir(directory)
+
+
+def attention_call_seconds(device, budget_s: float = 0.1) -> float:
+    """Fixed cost of one call of the library's chunk attention, forward + backward: a call
+    on 4 heads of 1 query and key, whose arithmetic is nil. Each attention site of each
+    chunk (and each streamed skeleton block) pays it, so short chunks cost more than their
+    pairs say."""
+    import torch
+    from sppo_fx.chunk_attention.op import chunk_attention
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, 4, 1, 16, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def run():
+        chunk_attention(q, k, v).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return _best(run, 3, budget_s)
 
 
 def attention_pair_seconds(device, budget_s: float = 0.3) -> tuple[float, float]:

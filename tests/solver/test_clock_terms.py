@@ -1,0 +1,65 @@
+"""The clock's per-attention-call term (`solver.clock.Clock.attention_call_seconds`) and
+its calibration: on hand-made profiles, what it charges and the plans it makes the solver
+choose. No model runs here."""
+import pytest
+
+from sppo_fx.solver.budget import MemoryModel, solve, step_terms
+from sppo_fx.solver.clock import Clock
+from sppo_fx.solver.partition import ChunkCostModel
+from sppo_fx.solver.profiles import DeviceProfile
+
+# two attention sites: every chunk makes two calls, forward and backward
+COST = ChunkCostModel(per_token=1e7, per_pair=1e3, ops=0, attention=((4, 16), (4, 16)))
+MEM = MemoryModel(level1=lambda c, p: 1024 * c, level2=lambda c, p: 16384 * c, fixed_bytes=1 << 20, sites=2,
+                  tensors=0)
+T = 4096
+
+
+def _overhead(lengths, clock, **kw):
+    n = len(lengths)
+    return step_terms(COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock, **kw).overhead
+
+
+def test_every_site_of_every_chunk_pays_one_call():
+    clock = Clock(attention_call_seconds=1e-3)
+    for n in (1, 4, 16):
+        assert _overhead([T // n] * n, clock) == pytest.approx(2 * n * 1e-3)
+
+
+def test_streamed_blocks_are_calls_too():
+    clock = Clock(attention_call_seconds=1e-3)
+    n = 4
+    blocks = [2 * i for i in range(n)]  # two sites, every earlier chunk's block, per pass
+    streamed = _overhead([T // n] * n, clock, skeleton_blocks=blocks) - _overhead([T // n] * n, clock)
+    assert streamed == pytest.approx(sum(blocks) * 1e-3)
+
+
+def test_the_call_cost_flips_many_chunks_to_few():
+    # the copies share the compute's cores: fewer chunks cost more offload. Without a call
+    # cost the solver takes many chunks; at 50 ms a call one chunk is faster
+    kw = dict(rate=1e11, c_half=0.0, bandwidth=1e9, copies_share_compute=True)
+    free = solve(COST, MEM, T, 40 << 20, clock=Clock(), **kw)
+    costly = solve(COST, MEM, T, 64 << 20, clock=Clock(attention_call_seconds=5e-2), **kw)
+    many = solve(COST, MEM, T, 64 << 20, clock=Clock(), **kw)
+    assert len(many.lengths) > 1 and len(costly.lengths) < len(many.lengths)
+    assert costly.terms.overhead == pytest.approx(2 * len(costly.lengths) * 5e-2)
+    assert free.peak_bytes <= 40 << 20
+
+
+def test_a_profile_carries_the_call_cost_to_the_clock():
+    prof = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, attention_call_seconds=2e-4)
+    assert Clock.of(prof).attention_call_seconds == 2e-4
+    assert DeviceProfile.from_json(prof.to_json()).attention_call_seconds == 2e-4
+    assert "us per call" in prof.table()
+    with pytest.raises(Exception, match="attention_call_seconds"):
+        DeviceProfile.from_dict(dict(prof.to_dict(), attention_call_seconds=-1.0))
+
+
+def test_the_call_cost_is_measured():
+    import torch
+    from sppo_fx.solver import clock_calibration as cc
+    call = cc.attention_call_seconds(torch.device("cpu"), 0.01)
+    assert 0 < call < 0.1
+    # an op-by-op program's op runs forward and backward through autograd: dearer per op
+    # than nothing, cheaper than a millisecond
+    assert 0 < cc.op_seconds(0.01) < 1e-3
