@@ -90,41 +90,48 @@ def file_seconds(dir: str | None = None, budget_s: float = 0.15, files: int = 32
         os.rmdir(directory)
 
 
+def _attention_pass(device, c: int, p: int, d: int, heads: int = 4):
+    """One forward + backward of the library's chunk attention ops on c queries against
+    p + c keys, as a chunk program runs them: the forward op, then the backward op with no
+    lse gradient. (Autograd through `chunk_attention(...).sum()` hands the backward a zero
+    lse gradient, which takes the plain-PyTorch reference path: 3-5x slower on a CPU than
+    what the programs run.)"""
+    import math
+    import torch
+    import sppo_fx.chunk_attention.op  # noqa: F401 - registers torch.ops.sppo_fx
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, heads, c, d, device=device, dtype=dtype)
+    k, v = (torch.randn(1, heads, p + c, d, device=device, dtype=dtype) for _ in range(2))
+    scale, ops = 1 / math.sqrt(d), torch.ops.sppo_fx
+
+    def run():
+        out, lse = ops.chunk_attention_fwd(q, k, v, scale, True)
+        ops.chunk_attention_bwd(out, q, k, v, out, lse, None, scale, True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return run
+
+
 def attention_call_seconds(device, budget_s: float = 0.1) -> float:
     """Fixed cost of one call of the library's chunk attention, forward + backward: a call
     on 4 heads of 1 query and key, whose arithmetic is nil. Each attention site of each
     chunk (and each streamed skeleton block) pays it, so short chunks cost more than their
     pairs say."""
-    import torch
-    from sppo_fx.chunk_attention.op import chunk_attention
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q, k, v = (torch.randn(1, 4, 1, 16, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-
-    def run():
-        chunk_attention(q, k, v).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return _best(run, 3, budget_s)
+    return _best(_attention_pass(device, 1, 0, 16), 3, budget_s)
 
 
 def attention_pair_seconds(device, budget_s: float = 0.3) -> tuple[float, float]:
     """(e, f): forward + backward seconds of the library's chunk attention per causal
-    (query, key) pair and head, e + d·f at head dim d, fitted at d = 16 and d = 64.
+    (query, key) pair and head, e + d·f at head dim d, fitted at d = 16 and d = 64 on a
+    chunk's shape (256 queries after a 768-token prefix), the call's fixed cost taken out.
 
     On a CPU attention is bound by its softmax and memory traffic more than by FLOPs (a head
     dim of 8 runs at a few percent of the matmul rate), hence a figure of its own."""
-    import torch
-    from sppo_fx.chunk_attention.op import chunk_attention
-    n, heads = 512, 4
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    c, p, heads = 256, 768, 4
+    call = attention_call_seconds(device, budget_s / 6)
     per = []
     for d in (16, 64):
-        q, k, v = (torch.randn(1, heads, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-
-        def run():
-            chunk_attention(q, k, v).sum().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        per.append(_best(run, 2, budget_s / 2) / (heads * n * (n + 1) / 2))
+        t = _best(_attention_pass(device, c, p, d, heads), 2, budget_s / 3)
+        per.append(max(t - call, 0.0) / (heads * c * (p + (c + 1) / 2)))
     f = max((per[1] - per[0]) / (64 - 16), 0.0)
     return max(per[0] - 16 * f, 0.0), f

@@ -63,3 +63,19 @@ def test_the_call_cost_is_measured():
     # an op-by-op program's op runs forward and backward through autograd: dearer per op
     # than nothing, cheaper than a millisecond
     assert 0 < cc.op_seconds(0.01) < 1e-3
+
+
+def test_attention_is_calibrated_on_the_path_the_programs_run(monkeypatch):
+    # the chunk programs call the backward op without an lse gradient (ATen's flash kernels
+    # on a CPU); autograd through chunk_attention(...).sum() would take the reference path,
+    # 3-5x slower, and the clock would charge attention at that rate
+    import torch
+    from sppo_fx.chunk_attention import op
+    from sppo_fx.solver import clock_calibration as cc
+
+    def reference(*a, **k):
+        raise AssertionError("the calibration ran the reference attention")
+    monkeypatch.setattr(op, "_reference_bwd", reference)
+    monkeypatch.setattr(op, "_reference_fwd", reference)
+    e, f = cc.attention_pair_seconds(torch.device("cpu"), 0.01)
+    assert e >= 0 and f >= 0 and e + 16 * f > 0
