@@ -79,3 +79,31 @@ def test_attention_is_calibrated_on_the_path_the_programs_run(monkeypatch):
     monkeypatch.setattr(op, "_reference_fwd", reference)
     e, f = cc.attention_pair_seconds(torch.device("cpu"), 0.01)
     assert e >= 0 and f >= 0 and e + 16 * f > 0
+
+
+@pytest.mark.slow  # matplotlib's import and a PNG: ~25 s on 2 busy cores
+def test_the_grid_picture_marks_rows_outside_the_band(tmp_path):
+    pytest.importorskip("matplotlib", reason="the picture needs matplotlib (the `plot` extra)")
+    from sppo_fx.benchmark.plot import accuracy_points, write_accuracy_picture
+    rows = [dict(label="a", step_s=1.0, predicted_step_s=1.1), dict(label="b", step_s=3.0, predicted_step_s=1.0),
+            dict(label="eager", step_s=0.5), dict(label="c", error="timed out")]
+    assert [p[0] for p in accuracy_points(rows)] == ["a", "b"]
+    (path,) = write_accuracy_picture(rows, str(tmp_path / "g.png"))
+    assert (tmp_path / "g.png").stat().st_size > 1000
+    assert write_accuracy_picture([rows[2]], str(tmp_path / "none.png")) == []
+
+
+def test_a_failed_grid_run_is_recorded_not_fatal(tmp_path, monkeypatch):
+    import importlib.util
+    import os
+    import subprocess
+    spec = importlib.util.spec_from_file_location(
+        "clock_grid", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "clock_grid.py"))
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 2))
+    assert grid.main(["--grid", "tiny:64,small:64", "--out", str(tmp_path)]) == 0
+    import json
+    record = json.loads((tmp_path / "clock-grid.json").read_text())
+    assert [r["label"] for r in record["rows"]] == ["tiny T=64", "small T=64"]
+    assert all("bench exited 2" in r["error"] for r in record["rows"])
