@@ -98,11 +98,14 @@ def attention_seconds(cost, c: int, t: int, clock: Clock) -> float | None:
     return pairs(c, t) * per_pair / max(clock.compiled_speedup, 1e-9)
 
 
-def overhead_seconds(cost, n_chunks: int, files: int, block_reads: int, clock: Clock) -> float:
+def overhead_seconds(cost, n_chunks: int, files: int, block_reads: int, clock: Clock,
+                     recompute_fraction: float = 0.0) -> float:
     """Fixed costs: ops of every chunk's forward and backward (the backward runs about twice
-    the forward's ops), files of the disk tier, attention calls (every site of every chunk;
-    streamed blocks, each its own call with `BLOCK_OPS` ops more for the merge)."""
-    ops = getattr(cost, "ops", 0) * (1 + 2) * n_chunks / max(clock.compiled_speedup, 1.0)
-    calls = len(getattr(cost, "attention", ())) * n_chunks + block_reads / 2  # block_reads: fwd and bwd
+    the forward's ops; a recompute runs `recompute_fraction` of the forward's again, its
+    attention calls included), files of the disk tier, attention calls (every site of every
+    chunk; streamed blocks, each its own call with `BLOCK_OPS` ops more for the merge)."""
+    ops = getattr(cost, "ops", 0) * (1 + 2 + recompute_fraction) * n_chunks / max(clock.compiled_speedup, 1.0)
+    calls = len(getattr(cost, "attention", ())) * n_chunks * (1 + recompute_fraction / 2)  # fwd = 1/2 a call
+    calls += block_reads / 2  # block_reads: forward and backward
     return ((ops + BLOCK_OPS * block_reads) * clock.op_seconds + files * clock.file_seconds
             + calls * clock.attention_call_seconds)

@@ -107,3 +107,15 @@ def test_a_failed_grid_run_is_recorded_not_fatal(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "clock-grid.json").read_text())
     assert [r["label"] for r in record["rows"]] == ["tiny T=64", "small T=64"]
     assert all("bench exited 2" in r["error"] for r in record["rows"])
+
+
+def test_a_recompute_runs_the_forward_ops_and_calls_again():
+    cost = ChunkCostModel(per_token=1e7, per_pair=1e3, ops=100, attention=((4, 16),))
+    lengths = [T // 4] * 4
+
+    def overhead(clock, fraction):
+        return step_terms(cost, lengths, [0.0] * 4, [0] * 4, 1e11, 0.0, 1e9, fraction, clock=clock).overhead
+    ops = Clock(op_seconds=1e-4)
+    assert overhead(ops, 1.0) == pytest.approx(overhead(ops, 0.0) * 4 / 3)  # fwd, recompute, bwd (2x)
+    calls = Clock(attention_call_seconds=1e-3)
+    assert overhead(calls, 1.0) == pytest.approx(overhead(calls, 0.0) * 1.5)  # a forward: half a call
