@@ -439,7 +439,8 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     """Measure this machine's profile in about `seconds` seconds.
 
     Measures (budget split roughly 45% matmul, 25% copies, 30% disk, then
-    about 30% more for the clock's figures, `clock_calibration`):
+    about 30% more for the clock's figures, `clock_calibration`, and on a CPU the per-op
+    cost of two tiny real chunk programs, whose capture adds a few seconds once per machine):
       * matmul FLOP/s of [n, d] x [d, d] for several token counts n (fp32 on CPU, bf16 on
         CUDA), fitted to rate(n) = flops_per_s * n / (n + n_half);
       * copy bandwidth: on CPU a memcpy between two buffers (device and host are the same
@@ -516,6 +517,8 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     file_s = cc.file_seconds(dir, 0.075 * seconds)
     attn_e, attn_f = cc.attention_pair_seconds(dev, 0.15 * seconds)
     attn_call = cc.attention_call_seconds(dev, 0.05 * seconds)
+    if dev.type == "cpu":  # a real chunk program's per-op cost (on CUDA: the plain-op figure)
+        op_s = cc.program_op_seconds(attn_call, 0.3 * seconds) or op_s
 
     elapsed = time.perf_counter() - t_start
     return DeviceProfile(

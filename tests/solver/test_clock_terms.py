@@ -119,3 +119,20 @@ def test_a_recompute_runs_the_forward_ops_and_calls_again():
     assert overhead(ops, 1.0) == pytest.approx(overhead(ops, 0.0) * 4 / 3)  # fwd, recompute, bwd (2x)
     calls = Clock(attention_call_seconds=1e-3)
     assert overhead(calls, 1.0) == pytest.approx(overhead(calls, 0.0) * 1.5)  # a forward: half a call
+
+
+def test_calibrate_takes_the_op_cost_from_a_real_chunk_program(monkeypatch):
+    # a plain-op chain sees a tenth of what an op of a chunk program costs on a CPU
+    # (tiny, T = 256, 16 chunks: measured/predicted 7.6 with it, 0.82 with the program's)
+    from sppo_fx.solver import clock_calibration as cc
+    from sppo_fx.solver.profiles import calibrate
+    monkeypatch.setattr(cc, "program_op_seconds", lambda call, budget_s: 1.25e-3)
+    assert calibrate("cpu", seconds=0.2).op_seconds == 1.25e-3
+    monkeypatch.setattr(cc, "program_op_seconds", lambda call, budget_s: None)  # the probe failed
+    assert 0 < calibrate("cpu", seconds=0.2).op_seconds < 1.25e-3
+
+
+@pytest.mark.slow  # captures and runs two tiny programs: ~5 s on 2 busy cores
+def test_the_program_op_cost_is_measured():
+    from sppo_fx.solver import clock_calibration as cc
+    assert 0 < cc.program_op_seconds(0.0, 0.05) < 1e-2
