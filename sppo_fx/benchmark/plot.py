@@ -224,3 +224,45 @@ def text_plot(points: list[Point], width: int = 60, height: int = 16) -> str:
 def _mark(i: int) -> str:
     return str(i % 10) if i < 10 else chr(ord("a") + (i - 10) % 26)
 
+
+
+def accuracy_points(rows: list[dict]) -> list[tuple[str, float, float]]:
+    """(label, predicted s, measured s) of every row that ran with a step prediction."""
+    return [(r["label"], float(r["predicted_step_s"]), float(r["step_s"])) for r in rows
+            if "error" not in r and r.get("predicted_step_s") and r.get("step_s")]
+
+
+def write_accuracy_picture(rows: list[dict], path: str, title: str = "", band=(0.8, 1.25)) -> list[str]:
+    """Predicted against measured step time, log-log, one dot per row, with y = x and the
+    band measured/predicted in [band]: the solver clock's accuracy at a glance. Returns the
+    files written (none when no row has a prediction)."""
+    pts = accuracy_points(rows)
+    if not pts:
+        return []
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 6))
+    xs, ys = [p for _, p, _ in pts], [m for _, _, m in pts]
+    lo, hi = min(xs + ys) / 1.5, max(xs + ys) * 1.5
+    line = [lo, hi]
+    ax.plot(line, line, color="black", lw=1, label="measured = predicted")
+    ax.fill_between(line, [band[0] * v for v in line], [band[1] * v for v in line], color="#2ca02c", alpha=0.15,
+                    label=f"measured / predicted in {band[0]:g}..{band[1]:g}")
+    inside = [band[0] <= m / p <= band[1] for _, p, m in pts]
+    for ok, color in ((True, LIBRARY_STYLE["color"]), (False, FRONT_COLOR)):
+        sel = [i for i, v in enumerate(inside) if v == ok]
+        ax.scatter([xs[i] for i in sel], [ys[i] for i in sel], color=color, s=18, zorder=3,
+                   label=f"{len(sel)} row(s) {'inside' if ok else 'outside'} the band")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("predicted step (s)")
+    ax.set_ylabel("measured step (s)")
+    ax.set_title(title or "solver clock: predicted vs measured step")
+    ax.legend(loc="upper left", fontsize=8)
+    written = [path]
+    try:
+        fig.savefig(path, metadata={"Software": None} if path.lower().endswith(".png") else {"Date": None})
+    finally:
+        plt.close(fig)
+    return written

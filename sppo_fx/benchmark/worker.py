@@ -13,6 +13,7 @@ Measured:
   `max_memory_allocated` (peak stats reset) minus `memory_allocated` at the same point.
   Activations, temporaries and parameter gradients all count; the largest over the steps;
 - predicted_peak_bytes / predicted_step_s: what the library's plan predicts (library rows);
+  predicted_terms: that step's terms (compute, attention, exposed_copy, overhead);
 - copy_overlap: with SPPO_BENCH_COPY_OVERLAP=1, rows that offload run one more step under
   torch.profiler after the timed ones: the store's copy time and the part of it hidden
   behind compute (`copy_overlap.py`).
@@ -103,6 +104,23 @@ def _prediction(compiled) -> tuple[int | None, float | None]:
     return peak, seconds
 
 
+def _terms(compiled) -> dict | None:
+    """The predicted step's terms (`solver.clock.StepTerms` as a dict) of a single-stage
+    plan: the solver's, or the same models' for a plan it did not choose; None otherwise."""
+    if compiled.options.stages != 1:
+        return None
+    if compiled.plan.step_terms:
+        return dict(compiled.plan.step_terms)
+    from sppo_fx.orchestrate.stage import device_profile, memory_models
+    from sppo_fx.solver.predict import predict_terms
+    e, o = compiled._require_entry(), compiled.options
+    (memory,) = memory_models(e, (o.recompute_for(compiled.plan),))
+    profile = device_profile(e, o, compiled.profile)
+    terms = predict_terms(e.cost, memory, compiled.plan, offload=o.offload, skeleton=o.skeleton_for(compiled.plan),
+                          profile=profile, device=e.device(), compiled=o.compile)[2]
+    return {k: float(v) for k, v in vars(terms).items()}
+
+
 def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
     """Run one row in this process (one rank of it when stages > 1); its measurements."""
     from sppo_fx.models import build
@@ -163,6 +181,7 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
                loss=float(loss))
     if compiled is not None:
         out["predicted_peak_bytes"], out["predicted_step_s"] = _prediction(compiled)
+        out["predicted_terms"] = _terms(compiled)
         plan = compiled.plan
         out["plan"] = {"chunks": plan.num_chunks, "recompute": plan.recompute, "skeleton": plan.skeleton,
                        "offloaded_chunks": sum(1 for a in plan.offload_ratios or () if a > 0)}

@@ -340,7 +340,8 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
     # a streamed skeleton on disk: one file per step, one in-order read per stream (chunk,
     # site, pass), `runtime.skeleton_log`; its blocks' attention calls stay per block
     streams = 2 * sum(1 for b in (skeleton_blocks or ()) if b)
-    terms.overhead = overhead_seconds(cost, len(lengths), files + streams + (1 if reads_n else 0), reads_n, clock)
+    terms.overhead = overhead_seconds(cost, len(lengths), files + streams + (1 if reads_n else 0), reads_n, clock,
+                                      recompute_fraction)
     if copies_share_compute:  # a CPU: every copy runs on the cores the compute uses
         written = sum(a * x for a, x in zip(ratios, l2))
         read = written + 2 * sum(skeleton_reads or ())  # a streamed prefix is read in fwd and bwd

@@ -11,7 +11,10 @@
                  behind compute (on a CPU-only machine nothing hides: the copies run on the
                  compute's cores, at the page cache's rate up to its size, the disk's beyond)
     overheads    per chunk: ops x `op_seconds` (Python, dispatch, launch of each op of the
-                 chunk's forward and backward); per file the disk tier writes or reads:
+                 chunk's forward and backward); per attention call (each site of each chunk,
+                 each streamed block): `attention_call_seconds`, the chunk attention's fixed
+                 cost forward + backward, which makes short chunks dearer than their pairs
+                 say; per file the disk tier writes or reads:
                  `file_seconds`; per streamed skeleton block: its attention call's ops; per
                  stream of a streamed skeleton (chunk, pass): one read task at `file_seconds`
 
@@ -40,6 +43,8 @@ class Clock:
         file_seconds: fixed cost of one file the disk tier writes and reads back.
         attention_pair_seconds / attention_pair_dim_seconds: attention forward + backward
             seconds per (query, key) pair and head: e + d·f (0: use FLOPs).
+        attention_call_seconds: fixed cost of one chunk attention call, forward + backward
+            (Python, dispatch, its small ops and buffers; 0: not charged).
         compiled_speedup: compiled chunk programs' speed over op-by-op graphs (>= 1 faster).
     """
 
@@ -48,6 +53,7 @@ class Clock:
     attention_pair_seconds: float = 0.0
     attention_pair_dim_seconds: float = 0.0
     compiled_speedup: float = 1.0
+    attention_call_seconds: float = 0.0
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -55,7 +61,8 @@ class Clock:
         run `compiled` or op by op, offloading to `tier` (files only on "disk")."""
         get = lambda name, default=0.0: float(getattr(profile, name, default) or default)  # noqa: E731
         return cls(get("op_seconds"), get("file_seconds") if tier == "disk" else 0.0, get("attention_pair_seconds"),
-                   get("attention_pair_dim_seconds"), get("compiled_speedup", 1.0) if compiled else 1.0)
+                   get("attention_pair_dim_seconds"), get("compiled_speedup", 1.0) if compiled else 1.0,
+                   get("attention_call_seconds"))
 
 
 @dataclasses.dataclass
@@ -91,8 +98,14 @@ def attention_seconds(cost, c: int, t: int, clock: Clock) -> float | None:
     return pairs(c, t) * per_pair / max(clock.compiled_speedup, 1e-9)
 
 
-def overhead_seconds(cost, n_chunks: int, files: int, block_reads: int, clock: Clock) -> float:
+def overhead_seconds(cost, n_chunks: int, files: int, block_reads: int, clock: Clock,
+                     recompute_fraction: float = 0.0) -> float:
     """Fixed costs: ops of every chunk's forward and backward (the backward runs about twice
-    the forward's ops), files of the disk tier, streamed blocks' attention calls."""
-    ops = getattr(cost, "ops", 0) * (1 + 2) * n_chunks / max(clock.compiled_speedup, 1.0)
-    return (ops + BLOCK_OPS * block_reads) * clock.op_seconds + files * clock.file_seconds
+    the forward's ops; a recompute runs `recompute_fraction` of the forward's again, its
+    attention calls included), files of the disk tier, attention calls (every site of every
+    chunk; streamed blocks, each its own call with `BLOCK_OPS` ops more for the merge)."""
+    ops = getattr(cost, "ops", 0) * (1 + 2 + recompute_fraction) * n_chunks / max(clock.compiled_speedup, 1.0)
+    calls = len(getattr(cost, "attention", ())) * n_chunks * (1 + recompute_fraction / 2)  # fwd = 1/2 a call
+    calls += block_reads / 2  # block_reads: forward and backward
+    return ((ops + BLOCK_OPS * block_reads) * clock.op_seconds + files * clock.file_seconds
+            + calls * clock.attention_call_seconds)

@@ -25,17 +25,20 @@ def _best(fn, reps: int, budget_s: float) -> float:
 
 
 def op_seconds(budget_s: float = 0.1) -> float:
-    """Fixed cost of one small op run from Python (dispatch, allocation): what every op of
-    an op-by-op chunk program pays beyond its arithmetic."""
+    """Fixed cost of one small op of an op-by-op chunk program (dispatch, allocation), per
+    op the clock counts: a chain of small ops run forward and backward through autograd,
+    over the 3 ops the clock counts per forward op (itself and about two in the backward).
+    A bare op from Python (no autograd, no backward) costs a third to a half of that."""
     import torch
-    a, b = torch.ones(64), torch.ones(64)
+    a, b = torch.ones(64, requires_grad=True), torch.ones(64)
     ops = 100
 
     def run():
         x = a
         for _ in range(ops):
-            x = torch.add(x, b)
-    return _best(run, 3, budget_s) / ops
+            x = torch.mul(x, b)
+        x.sum().backward()
+    return _best(run, 3, budget_s) / (3 * ops)
 
 
 def file_seconds(dir: str | None = None, budget_s: float = 0.15, files: int = 32) -> float:
@@ -87,24 +90,87 @@ def file_seconds(dir: str | None = None, budget_s: float = 0.15, files: int = 32
         os.rmdir(directory)
 
 
+def _attention_pass(device, c: int, p: int, d: int, heads: int = 4):
+    """One forward + backward of the library's chunk attention ops on c queries against
+    p + c keys, as a chunk program runs them: the forward op, then the backward op with no
+    lse gradient. (Autograd through `chunk_attention(...).sum()` hands the backward a zero
+    lse gradient, which takes the plain-PyTorch reference path: 3-5x slower on a CPU than
+    what the programs run.)"""
+    import math
+    import torch
+    import sppo_fx.chunk_attention.op  # noqa: F401 - registers torch.ops.sppo_fx
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, heads, c, d, device=device, dtype=dtype)
+    k, v = (torch.randn(1, heads, p + c, d, device=device, dtype=dtype) for _ in range(2))
+    scale, ops = 1 / math.sqrt(d), torch.ops.sppo_fx
+
+    def run():
+        out, lse = ops.chunk_attention_fwd(q, k, v, scale, True)
+        ops.chunk_attention_bwd(out, q, k, v, out, lse, None, scale, True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return run
+
+
+def attention_call_seconds(device, budget_s: float = 0.1) -> float:
+    """Fixed cost of one call of the library's chunk attention, forward + backward: a call
+    on 4 heads of 1 query and key, whose arithmetic is nil. Each attention site of each
+    chunk (and each streamed skeleton block) pays it, so short chunks cost more than their
+    pairs say."""
+    return _best(_attention_pass(device, 1, 0, 16), 3, budget_s)
+
+
 def attention_pair_seconds(device, budget_s: float = 0.3) -> tuple[float, float]:
     """(e, f): forward + backward seconds of the library's chunk attention per causal
-    (query, key) pair and head, e + d·f at head dim d, fitted at d = 16 and d = 64.
+    (query, key) pair and head, e + d·f at head dim d, fitted at d = 16 and d = 64 on a
+    chunk's shape (256 queries after a 768-token prefix), the call's fixed cost taken out.
 
     On a CPU attention is bound by its softmax and memory traffic more than by FLOPs (a head
     dim of 8 runs at a few percent of the matmul rate), hence a figure of its own."""
-    import torch
-    from sppo_fx.chunk_attention.op import chunk_attention
-    n, heads = 512, 4
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    c, p, heads = 256, 768, 4
+    call = attention_call_seconds(device, budget_s / 6)
     per = []
     for d in (16, 64):
-        q, k, v = (torch.randn(1, heads, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-
-        def run():
-            chunk_attention(q, k, v).sum().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        per.append(_best(run, 2, budget_s / 2) / (heads * n * (n + 1) / 2))
+        t = _best(_attention_pass(device, c, p, d, heads), 2, budget_s / 3)
+        per.append(max(t - call, 0.0) / (heads * c * (p + (c + 1) / 2)))
     f = max((per[1] - per[0]) / (64 - 16), 0.0)
     return max(per[0] - 16 * f, 0.0), f
+
+
+def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6) -> float | None:
+    """Fixed cost per op the clock counts, measured on real op-by-op chunk programs: a
+    1-layer tiny Llama at 64 tokens in 1 and in 4 chunks (its work is nil), each chunk
+    more costing (its forward and backward programs' Python, dispatch, the runtime's
+    hooks and the custom ops' dispatch) what the clock charges as 3 x `ops` x op_seconds
+    plus its attention calls (`call_seconds` each). A plain-op chain (`op_seconds`) sees
+    a tenth of that on this CPU. None where the library cannot run the probe (the caller
+    keeps `op_seconds` then)."""
+    import torch
+    import sppo_fx
+    from sppo_fx.models import build
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        model = build("llama", "tiny", n_layers=1)
+        x, y = (torch.randint(0, model.config.vocab_size, (1, 64)) for _ in range(2))
+        runs = {n: sppo_fx.compile(model, chunks=n, compile=False) for n in (1, 4)}
+        for run in runs.values():
+            run.step(x, y)  # capture and build the programs (not timed)
+        t1, t4 = float("inf"), float("inf")
+        t_end, k = time.perf_counter() + budget_s, 0
+        while k < 3 or (time.perf_counter() < t_end and k < 50):  # interleaved: load hits both alike
+            for n, run in runs.items():
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                run.step(x, y)
+                dt = time.perf_counter() - t0
+                t1, t4 = (min(t1, dt), t4) if n == 1 else (t1, min(t4, dt))
+            k += 1
+        cost = runs[4]._require_entry().cost
+        ops, sites = getattr(cost, "ops", 0), len(getattr(cost, "attention", ()))
+        per_chunk = (t4 - t1) / 3 - sites * call_seconds
+        return max(per_chunk, 0.0) / (3 * ops) if ops else None
+    except Exception:  # noqa: BLE001 - a probe, not a feature: the plain-op figure stands in
+        return None
+    finally:
+        torch.random.set_rng_state(state)

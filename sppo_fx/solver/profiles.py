@@ -65,6 +65,8 @@ class DeviceProfile:
             of one disk-tier file written and read, attention seconds per pair and head
             (e + d·f), compiled programs' speed over op-by-op ones; 0 (1 for the speedup):
             unknown, the term is left out.
+        attention_call_seconds: fixed cost of one chunk attention call, forward + backward
+            (`solver.clock`); 0: unknown, not charged.
     """
 
     name: str
@@ -83,6 +85,7 @@ class DeviceProfile:
     attention_pair_seconds: float = 0.0
     attention_pair_dim_seconds: float = 0.0
     compiled_speedup: float = 1.0
+    attention_call_seconds: float = 0.0
 
     def efficiency(self, tokens_per_chunk: float) -> float:
         """Fraction of `flops_per_s` reached by a chunk of this many tokens.
@@ -169,7 +172,8 @@ class DeviceProfile:
                 not number(self.disk_cached_write_bytes_per_s) or self.disk_cached_write_bytes_per_s <= 0):
             raise SppoError(f"DeviceProfile disk_cached_write_bytes_per_s={self.disk_cached_write_bytes_per_s!r}: "
                             "give a positive finite rate, or None (unknown)")
-        for field in ("op_seconds", "file_seconds", "attention_pair_seconds", "attention_pair_dim_seconds"):
+        for field in ("op_seconds", "file_seconds", "attention_pair_seconds", "attention_pair_dim_seconds",
+                      "attention_call_seconds"):
             value = getattr(self, field)
             if not number(value) or value < 0:
                 raise SppoError(f"DeviceProfile {field}={value!r}: give a finite number of seconds >= 0")
@@ -203,8 +207,10 @@ class DeviceProfile:
               if self.disk_cached_write_bytes_per_s else []),
             *([("clock", f"op {self.op_seconds * 1e6:.1f} us, disk file {self.file_seconds * 1e6:.0f} us, "
                          f"attention {self.attention_pair_seconds * 1e9:.2f} + d x "
-                         f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head")]
-              if self.op_seconds or self.file_seconds or self.attention_pair_seconds else []),
+                         f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head, "
+                         f"{self.attention_call_seconds * 1e6:.0f} us per call")]
+              if self.op_seconds or self.file_seconds or self.attention_pair_seconds or self.attention_call_seconds
+              else []),
             ("memory", f"{self.memory_bytes / GiB:.1f} GiB"),
             ("source", self.source),
         ]
@@ -433,7 +439,8 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     """Measure this machine's profile in about `seconds` seconds.
 
     Measures (budget split roughly 45% matmul, 25% copies, 30% disk, then
-    about 30% more for the clock's figures, `clock_calibration`):
+    about 30% more for the clock's figures, `clock_calibration`, and on a CPU the per-op
+    cost of two tiny real chunk programs, whose capture adds a few seconds once per machine):
       * matmul FLOP/s of [n, d] x [d, d] for several token counts n (fp32 on CPU, bf16 on
         CUDA), fitted to rate(n) = flops_per_s * n / (n + n_half);
       * copy bandwidth: on CPU a memcpy between two buffers (device and host are the same
@@ -509,6 +516,9 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     op_s = cc.op_seconds(0.05 * seconds)
     file_s = cc.file_seconds(dir, 0.075 * seconds)
     attn_e, attn_f = cc.attention_pair_seconds(dev, 0.15 * seconds)
+    attn_call = cc.attention_call_seconds(dev, 0.05 * seconds)
+    if dev.type == "cpu":  # a real chunk program's per-op cost (on CUDA: the plain-op figure)
+        op_s = cc.program_op_seconds(attn_call, 0.3 * seconds) or op_s
 
     elapsed = time.perf_counter() - t_start
     return DeviceProfile(
@@ -517,7 +527,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         disk_read_bytes_per_s=float(disk_r), memory_bytes=_memory_bytes(dev), n_half=round(float(n_half), 1),
         disk_cached_write_bytes_per_s=float(disk_cached_w), disk_cache_bytes=_page_cache_bytes(),
         op_seconds=float(op_s), file_seconds=float(file_s), attention_pair_seconds=float(attn_e),
-        attention_pair_dim_seconds=float(attn_f),
+        attention_pair_dim_seconds=float(attn_f), attention_call_seconds=float(attn_call),
         source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, "
                f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")

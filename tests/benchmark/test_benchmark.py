@@ -195,6 +195,8 @@ def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     # a plan the solver did not choose is predicted by the same models
     fixed = rows["sppo chunks=2 recompute=none"]
     assert fixed["predicted_peak_bytes"] > 0 and fixed["predicted_step_s"] > 0 and "peak_vs_predicted" in fixed
+    for r in (fixed, budgeted):  # the predicted step's terms, for the clock grid's breakdown
+        assert sum(r["predicted_terms"].values()) == pytest.approx(r["predicted_step_s"])
     assert "pred. peak MiB" in stdout and "vs checkpoint" in stdout and "peak extra MiB" in stdout
     assert "[round 1/1, 5/5]" in err and "step " in err  # progress while it runs
     assert (out / "bench.csv").read_text().count("\n") == 6  # header + 5 rows

@@ -1,0 +1,138 @@
+"""The clock's per-attention-call term (`solver.clock.Clock.attention_call_seconds`) and
+its calibration: on hand-made profiles, what it charges and the plans it makes the solver
+choose. No model runs here."""
+import pytest
+
+from sppo_fx.solver.budget import MemoryModel, solve, step_terms
+from sppo_fx.solver.clock import Clock
+from sppo_fx.solver.partition import ChunkCostModel
+from sppo_fx.solver.profiles import DeviceProfile
+
+# two attention sites: every chunk makes two calls, forward and backward
+COST = ChunkCostModel(per_token=1e7, per_pair=1e3, ops=0, attention=((4, 16), (4, 16)))
+MEM = MemoryModel(level1=lambda c, p: 1024 * c, level2=lambda c, p: 16384 * c, fixed_bytes=1 << 20, sites=2,
+                  tensors=0)
+T = 4096
+
+
+def _overhead(lengths, clock, **kw):
+    n = len(lengths)
+    return step_terms(COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock, **kw).overhead
+
+
+def test_every_site_of_every_chunk_pays_one_call():
+    clock = Clock(attention_call_seconds=1e-3)
+    for n in (1, 4, 16):
+        assert _overhead([T // n] * n, clock) == pytest.approx(2 * n * 1e-3)
+
+
+def test_streamed_blocks_are_calls_too():
+    clock = Clock(attention_call_seconds=1e-3)
+    n = 4
+    blocks = [2 * i for i in range(n)]  # two sites, every earlier chunk's block, per pass
+    streamed = _overhead([T // n] * n, clock, skeleton_blocks=blocks) - _overhead([T // n] * n, clock)
+    assert streamed == pytest.approx(sum(blocks) * 1e-3)
+
+
+def test_the_call_cost_flips_many_chunks_to_few():
+    # the copies share the compute's cores: fewer chunks cost more offload. Without a call
+    # cost the solver takes many chunks; at 50 ms a call one chunk is faster
+    kw = dict(rate=1e11, c_half=0.0, bandwidth=1e9, copies_share_compute=True)
+    free = solve(COST, MEM, T, 40 << 20, clock=Clock(), **kw)
+    costly = solve(COST, MEM, T, 64 << 20, clock=Clock(attention_call_seconds=5e-2), **kw)
+    many = solve(COST, MEM, T, 64 << 20, clock=Clock(), **kw)
+    assert len(many.lengths) > 1 and len(costly.lengths) < len(many.lengths)
+    assert costly.terms.overhead == pytest.approx(2 * len(costly.lengths) * 5e-2)
+    assert free.peak_bytes <= 40 << 20
+
+
+def test_a_profile_carries_the_call_cost_to_the_clock():
+    prof = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, attention_call_seconds=2e-4)
+    assert Clock.of(prof).attention_call_seconds == 2e-4
+    assert DeviceProfile.from_json(prof.to_json()).attention_call_seconds == 2e-4
+    assert "us per call" in prof.table()
+    with pytest.raises(Exception, match="attention_call_seconds"):
+        DeviceProfile.from_dict(dict(prof.to_dict(), attention_call_seconds=-1.0))
+
+
+def test_the_call_cost_is_measured():
+    import torch
+    from sppo_fx.solver import clock_calibration as cc
+    call = cc.attention_call_seconds(torch.device("cpu"), 0.01)
+    assert 0 < call < 0.1
+    # an op-by-op program's op runs forward and backward through autograd: dearer per op
+    # than nothing, cheaper than a millisecond
+    assert 0 < cc.op_seconds(0.01) < 1e-3
+
+
+def test_attention_is_calibrated_on_the_path_the_programs_run(monkeypatch):
+    # the chunk programs call the backward op without an lse gradient (ATen's flash kernels
+    # on a CPU); autograd through chunk_attention(...).sum() would take the reference path,
+    # 3-5x slower, and the clock would charge attention at that rate
+    import torch
+    from sppo_fx.chunk_attention import op
+    from sppo_fx.solver import clock_calibration as cc
+
+    def reference(*a, **k):
+        raise AssertionError("the calibration ran the reference attention")
+    monkeypatch.setattr(op, "_reference_bwd", reference)
+    monkeypatch.setattr(op, "_reference_fwd", reference)
+    e, f = cc.attention_pair_seconds(torch.device("cpu"), 0.01)
+    assert e >= 0 and f >= 0 and e + 16 * f > 0
+
+
+@pytest.mark.slow  # matplotlib's import and a PNG: ~25 s on 2 busy cores
+def test_the_grid_picture_marks_rows_outside_the_band(tmp_path):
+    pytest.importorskip("matplotlib", reason="the picture needs matplotlib (the `plot` extra)")
+    from sppo_fx.benchmark.plot import accuracy_points, write_accuracy_picture
+    rows = [dict(label="a", step_s=1.0, predicted_step_s=1.1), dict(label="b", step_s=3.0, predicted_step_s=1.0),
+            dict(label="eager", step_s=0.5), dict(label="c", error="timed out")]
+    assert [p[0] for p in accuracy_points(rows)] == ["a", "b"]
+    (path,) = write_accuracy_picture(rows, str(tmp_path / "g.png"))
+    assert (tmp_path / "g.png").stat().st_size > 1000
+    assert write_accuracy_picture([rows[2]], str(tmp_path / "none.png")) == []
+
+
+def test_a_failed_grid_run_is_recorded_not_fatal(tmp_path, monkeypatch):
+    import importlib.util
+    import os
+    import subprocess
+    spec = importlib.util.spec_from_file_location(
+        "clock_grid", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "clock_grid.py"))
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 2))
+    assert grid.main(["--grid", "tiny:64,small:64", "--out", str(tmp_path)]) == 0
+    import json
+    record = json.loads((tmp_path / "clock-grid.json").read_text())
+    assert [r["label"] for r in record["rows"]] == ["tiny T=64", "small T=64"]
+    assert all("bench exited 2" in r["error"] for r in record["rows"])
+
+
+def test_a_recompute_runs_the_forward_ops_and_calls_again():
+    cost = ChunkCostModel(per_token=1e7, per_pair=1e3, ops=100, attention=((4, 16),))
+    lengths = [T // 4] * 4
+
+    def overhead(clock, fraction):
+        return step_terms(cost, lengths, [0.0] * 4, [0] * 4, 1e11, 0.0, 1e9, fraction, clock=clock).overhead
+    ops = Clock(op_seconds=1e-4)
+    assert overhead(ops, 1.0) == pytest.approx(overhead(ops, 0.0) * 4 / 3)  # fwd, recompute, bwd (2x)
+    calls = Clock(attention_call_seconds=1e-3)
+    assert overhead(calls, 1.0) == pytest.approx(overhead(calls, 0.0) * 1.5)  # a forward: half a call
+
+
+def test_calibrate_takes_the_op_cost_from_a_real_chunk_program(monkeypatch):
+    # a plain-op chain sees a tenth of what an op of a chunk program costs on a CPU
+    # (tiny, T = 256, 16 chunks: measured/predicted 7.6 with it, 0.82 with the program's)
+    from sppo_fx.solver import clock_calibration as cc
+    from sppo_fx.solver.profiles import calibrate
+    monkeypatch.setattr(cc, "program_op_seconds", lambda call, budget_s: 1.25e-3)
+    assert calibrate("cpu", seconds=0.2).op_seconds == 1.25e-3
+    monkeypatch.setattr(cc, "program_op_seconds", lambda call, budget_s: None)  # the probe failed
+    assert 0 < calibrate("cpu", seconds=0.2).op_seconds < 1.25e-3
+
+
+@pytest.mark.slow  # captures and runs two tiny programs: ~5 s on 2 busy cores
+def test_the_program_op_cost_is_measured():
+    from sppo_fx.solver import clock_calibration as cc
+    assert 0 < cc.program_op_seconds(0.0, 0.05) < 1e-2
