@@ -256,12 +256,7 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
     log.info("torch.export: %s with %d input tensor(s), sequence dim %d of length %d marked dynamic",
              type(model).__name__, len(tensors), seq_dim, length)
     try:
-        # Fake-tensor cache off: within one export nearly every op is a miss (a fresh ShapeEnv
-        # per export), and a miss that builds its symbolic cache entry costs more than the
-        # meta function it saves (capture ~30% faster; the same graph, values and stack traces).
-        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
-            program = torch.export.export(module, tuple(tensors), dynamic_shapes={"tensors": dynamic},
-                                          strict=False)
+        program = torch.export.export(module, tuple(tensors), dynamic_shapes={"tensors": dynamic}, strict=False)
     except SppoError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with what to change
