@@ -15,7 +15,7 @@ from sppo_fx.util.compat import symbolic_dispatch
 
 RTOL, ATOL = 1e-4, 1e-5
 
-# Chunk 0's background Inductor compile (sppo_fx/codegen/background.py) forks a child that
+# Chunk 0's background Inductor compile (sppo_fx/codegen/background.py, opt-in) forks a child that
 # compiles for minutes and is not what most tests check; off for the suite (and the rank
 # processes it starts) unless a test turns it on (tests/codegen/test_first_step.py).
 os.environ.setdefault("SPPO_FX_BACKGROUND_COMPILE", "off")
