@@ -246,8 +246,11 @@ def _children() -> set[int]:
     """This process's child processes (Linux)."""
     out = set()
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            out.update(int(p) for p in f.read().split())
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                out.update(int(p) for p in f.read().split())
+        except FileNotFoundError:  # the thread ended after the listing (a thread, not a child process)
+            continue
     return out
 
 
