@@ -388,20 +388,16 @@ AOT_SCRIPT = textwrap.dedent(
             ce = dict(HEAD_DIM=d, BLOCK_D=bd, CHECK_D=bd != d, CAUSAL=causal,
                       DOT_PRECISION=CA._dot_precision(dtype), UPCAST=False,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
-            # the variants' switches (soft-capping, sinks, ALiBi): off here, as in the default op;
-            # on in the fwd "variants" entry below
-            ce.update({k: False for k in ("SOFTCAP", "HAS_SINK", "HAS_ALIBI") if k in jit.arg_names})
-            name = f"{kind}_{TY[dtype]}_d{d}_causal{int(causal)}"
-            try:
-                results[name] = {"shared": compile_one(jit, dtype, ce, cfg["num_warps"], cfg["num_stages"])}
-            except Exception:
-                results[name] = {"error": traceback.format_exc()[-3000:]}
-            ce.update({k: True for k in ("SOFTCAP", "HAS_SINK", "HAS_ALIBI") if k in jit.arg_names})
-            name = f"{kind}_variants_{TY[dtype]}_d{d}_causal{int(causal)}"
-            try:
-                results[name] = {"shared": compile_one(jit, dtype, ce, cfg["num_warps"], cfg["num_stages"])}
-            except Exception:
-                results[name] = {"error": traceback.format_exc()[-3000:]}
+            # the variants' switches (soft-capping, sinks, ALiBi): off as in the default op, and
+            # on in a "variants" entry for the kernels that have them
+            switches = [k for k in ("SOFTCAP", "HAS_SINK", "HAS_ALIBI") if k in jit.arg_names]
+            for on in (False, True) if switches else (False,):
+                ce.update({k: on for k in switches})
+                name = f"{kind}{'_variants' if on else ''}_{TY[dtype]}_d{d}_causal{int(causal)}"
+                try:
+                    results[name] = {"shared": compile_one(jit, dtype, ce, cfg["num_warps"], cfg["num_stages"])}
+                except Exception:
+                    results[name] = {"error": traceback.format_exc()[-3000:]}
     try:
         results["preprocess_bf16_d128"] = {"shared": compile_one(
             CA._chunk_attn_bwd_preprocess_kernel, torch.bfloat16,
