@@ -152,8 +152,8 @@ def solve_budget(cost, models: list, seq_len: int, budget: int, *, profile, devi
         except InfeasibleBudget as e:  # the same floor on every tier: the memory model's
             infeasible = infeasible or e
             continue
-        if tier == "host" and limit is not None and host_bytes(plan, memory, inflight) > limit:
-            refused[tier] = host_bytes(plan, memory, inflight)
+        if tier == "host" and limit is not None and (pinned := host_bytes(plan, memory, inflight)) > limit:
+            refused[tier] = pinned
             continue
         found[tier] = plan, memory
     if not found:
