@@ -82,7 +82,7 @@ from sppo_fx.plan import Plan
 from sppo_fx.util.skeleton_rows import blocks_read, chunk_copy_rows, keeps_no_buffer, kept_first, window_firsts
 from sppo_fx.solver.clock import Clock, StepTerms, attention_seconds, overhead_seconds
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
-from sppo_fx.util.units import parse_bytes
+from sppo_fx.util.units import mib_below_and_above, parse_bytes
 
 def parse_budget(budget) -> int:
     """Bytes from an int or a string such as "12GiB", "500MiB", "1.5GB" (`units.parse_bytes`).
@@ -419,11 +419,12 @@ def solve(cost: ChunkCostModel, mem, seq_len: int, budget: int, *, rate: float, 
                     best = plan
     if best is None:
         policies = ", ".join(m.recompute for m in models)
+        asked, needed = mib_below_and_above(budget, minimum or 0)
         raise InfeasibleBudget(
-            f"budget {budget / 2**20:.1f} MiB is below the minimum any plan needs for {seq_len} tokens: "
-            f"{minimum / 2**20:.1f} MiB (every chunk but the last offloaded; recompute policies tried: "
+            f"budget {asked} MiB is below the minimum any plan needs for {seq_len} tokens: "
+            f"{needed} MiB (every chunk but the last offloaded; recompute policies tried: "
             f"{policies}; K/V skeleton: {', '.join(skeletons)}). Raise the budget to at least "
-            f"{minimum / 2**20:.1f} MiB or shorten the sequence", minimum or 0)
+            f"{needed} MiB or shorten the sequence", minimum or 0)
     return best
 
 

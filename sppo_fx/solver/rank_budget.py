@@ -33,6 +33,7 @@ import os
 
 from sppo_fx.errors import InfeasibleBudget, SppoError
 from sppo_fx.util.log import get_logger
+from sppo_fx.util.units import mib_below_and_above
 from sppo_fx.plan import Plan
 
 log = get_logger(__name__)
@@ -194,12 +195,13 @@ def _solve_tier(cost, models: list, seq_len: int, budget: int, *, profile, devic
         if rank is None:
             raise
         minimum = fixed + inflight * (e.minimum_bytes - fixed)
+        asked, needed = mib_below_and_above(budget, minimum)
         raise InfeasibleBudget(
-            f"budget {budget / 2**20:.1f} MiB is below the minimum pipeline rank {rank} needs for its "
-            f"stage: {minimum / 2**20:.1f} MiB ({inflight} micro-batches of {seq_len} tokens in flight "
+            f"budget {asked} MiB is below the minimum pipeline rank {rank} needs for its "
+            f"stage: {needed} MiB ({inflight} micro-batches of {seq_len} tokens in flight "
             f"under schedule {schedule!r}, chunks {chunk_lengths}, every chunk but the last "
             f"offloaded; recompute policies tried: {', '.join(m.recompute for m in models)}). Raise the budget "
-            f"to at least {minimum / 2**20:.1f} MiB, use more stages, or shorten the sequence",
+            f"to at least {needed} MiB, use more stages, or shorten the sequence",
             minimum) from e
     if inflight != 1:
         chosen.peak_bytes = fixed + inflight * (chosen.peak_bytes - fixed)

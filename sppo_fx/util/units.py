@@ -12,7 +12,7 @@ import operator
 
 from sppo_fx.errors import SppoError
 
-__all__ = ["parse_bytes", "positive_int"]
+__all__ = ["parse_bytes", "positive_int", "mib_below_and_above"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -78,3 +78,18 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not positive: give a whole number >= 1")
     return value
+
+
+def mib_below_and_above(below: int, above: int) -> tuple[str, str]:
+    """Two byte counts in MiB for a message such as "budget X MiB is below the minimum Y
+    MiB": `below` rounded down and `above` rounded up (so a budget of the printed minimum
+    fits), with as many decimals (1 to 4) as they need to lie at least two units of the last
+    decimal apart, so that the rounding does not make the gap: never "0.3 MiB is below
+    0.3 MiB", nor "0.2 below 0.3" for 0.25 and 0.28."""
+    for decimals in range(1, 5):
+        scale = 10 ** decimals
+        low = math.floor(below / 2**20 * scale)
+        high = math.ceil(above / 2**20 * scale)
+        if high - low >= 2 or decimals == 4:
+            low, high = low / scale, high / scale
+            return f"{low:.{decimals}f}", f"{high:.{decimals}f}"
