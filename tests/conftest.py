@@ -38,6 +38,10 @@ def tiny_program(kind):
 
 _OFFLOAD_PROGRAMS: dict = {}
 
+# Tests that run `offload_program`'s compiled programs run on one xdist worker (--dist
+# loadgroup), so that each (tiny program, skeleton mode) is captured and compiled once.
+SHARES_OFFLOAD_PROGRAMS = pytest.mark.xdist_group("offload_programs")
+
 
 def offload_program(program, skeleton="keep"):
     """`program`'s chunk program with offload nodes run eagerly (with skeleton="offload":
