@@ -38,6 +38,10 @@ def tiny_program(kind):
 
 _OFFLOAD_PROGRAMS: dict = {}
 
+# Tests that run `offload_program`'s compiled programs run on one xdist worker (--dist
+# loadgroup), so that each (tiny program, skeleton mode) is captured and compiled once.
+SHARES_OFFLOAD_PROGRAMS = pytest.mark.xdist_group("offload_programs")
+
 
 def offload_program(program, skeleton="keep"):
     """`program`'s chunk program with offload nodes run eagerly (with skeleton="offload":
@@ -186,6 +190,27 @@ def pytest_collection_modifyitems(config, items):
     # tests out early, rather than one worker finishing a long test alone at the end.
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
+    _group_for_xdist(config, items)
+
+
+def _group_for_xdist(config, items):
+    """Give each test marked `xdist_group(name)` the node id suffix "@name" that
+    `--dist loadgroup` sends a group to one worker by. pytest-xdist (3.8) appends it to
+    `item._nodeid`, which pytest 9.2 no longer reads (the id lives in `item._id`): every
+    group was silently ignored, and a grouped module's expensive module fixture (Triton
+    subprocesses, a rank launch, captured programs) was built on both workers."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under loadgroup
+        return
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}
+        suffix = "@" + "_".join(sorted(names))
+        if not names or item.nodeid.endswith(suffix):  # none, or xdist's own suffix took effect
+            continue
+        node_id = getattr(item, "_id", None)
+        if node_id is None or isinstance(node_id, str) or not hasattr(type(node_id), "parse"):
+            continue  # an older pytest, where xdist's `_nodeid` suffix works
+        item._id = type(node_id).parse(item.nodeid + suffix)
 
 
 @pytest.fixture

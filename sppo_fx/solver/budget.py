@@ -162,12 +162,18 @@ class MemoryModel:
                    windowed=windowed, tensors=sum(1 for s in chunk_cost.saved if s.level == 2))
 
 
+def chunk_starts(lengths: list[int]) -> list[int]:
+    """Each chunk's first position (a running sum: the solver calls this for thousands of
+    candidate partitions, some of thousands of chunks)."""
+    return list(itertools.accumulate(lengths[:-1], initial=0)) if lengths else []
+
+
 def copy_window(mem: MemoryModel, lengths: list[int], skeleton: str = "keep") -> int:
     """The copy window the solver plans with: two layers' worth of the largest chunk's
     chunk-private saved bytes (a read of the next layer's tensors overlaps this layer's
     backward), capped at one chunk's, and at least 1 MiB (which wins over the cap)."""
     level2 = mem.streamed_level2 if skeleton == "offload" else mem.level2
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    starts = chunk_starts(lengths)
     largest = max(level2(c, t) for c, t in zip(lengths, starts))
     return max(min(largest, 2 * largest // max(1, mem.sites)), 1 << 20)
 
@@ -204,7 +210,7 @@ def streamed_skeleton(mem: MemoryModel, lengths: list[int]):
     the blocks that reach into its window, `skeleton_rows.blocks_read`), and the dK/dV
     accumulators alive at its backward (of those same blocks). A packed-document site counts
     as causal (its documents are data: an upper bound of what the runtime stores and reads)."""
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    starts = chunk_starts(lengths)
     bounds = [(t, t + c) for c, t in zip(lengths, starts)]
     n = len(lengths)
     causal = [mem.level1(c, t) for c, t in zip(lengths, starts)]
@@ -223,7 +229,7 @@ def streamed_skeleton(mem: MemoryModel, lengths: list[int]):
 def kept_skeleton_bytes(mem: MemoryModel, lengths: list[int]) -> int:
     """Bytes of K/V skeleton the runtime keeps (skeleton="keep") at the end of the forward:
     the full-sequence buffers and the window copies (`StageRunner.skeleton_bytes`)."""
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    starts = chunk_starts(lengths)
     buffer, copies, _ = _kept_skeleton(mem, lengths, starts, [mem.level1(c, t) for c, t in zip(lengths, starts)])
     return sum(buffer) + sum(copies)
 
@@ -232,7 +238,7 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
                  window: int | None = None) -> int:
     """Peak device bytes of one step (see the module docstring); `skeleton` is "keep" or
     "offload"; `window` the copy window in bytes (None: unbounded copies)."""
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    starts = chunk_starts(lengths)
     l1 = [mem.level1(c, t) for c, t in zip(lengths, starts)]
     level2 = mem.streamed_level2 if skeleton == "offload" else mem.level2
     l2 = [level2(c, t) for c, t in zip(lengths, starts)]
@@ -253,10 +259,12 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
     else:
         blocks, _, grads = streamed_skeleton(mem, lengths)
         buffer, copies = [0] * n, [0] * n
-        stream = [2 * max(blocks[:j], default=0) // max(1, mem.sites) for j in range(n)]
+        before = [0, *itertools.accumulate(blocks, max)]  # the largest block of the chunks < j
+        stream = [2 * before[j] // max(1, mem.sites) for j in range(n)]
     skeleton_upto = [0, *itertools.accumulate(x + y for x, y in zip(buffer, copies))]  # chunks < j
     copies_upto = list(itertools.accumulate(copies))  # window copies of chunks <= j
     sites = max(1, mem.sites)
+    whole_buffer = sum(buffer)
     peak = 0
     for j in range(n):  # forward
         held = l1_before[j + 1] + skeleton_upto[j + 1] if kept else stream[j]
@@ -264,7 +272,7 @@ def predict_peak(mem: MemoryModel, lengths: list[int], ratios: list[float], skel
         mine = l2[j] if window is None else (1 - ratios[j]) * l2[j] + min(offloaded, window)
         peak = max(peak, held + resident_before[j] + mine + work[j])
     for j in range(n - 1, -1, -1):  # backward: skeleton (+ own K/V of chunks <= j) or a stream buffer,
-        held = sum(buffer) + copies_upto[j] + l1_before[j + 1] if kept else stream[n - 1]  # and dK/dV
+        held = whole_buffer + copies_upto[j] + l1_before[j + 1] if kept else stream[n - 1]  # and dK/dV
         if window is None:  # the whole chunk is back, and the previous one is on its way
             mine, coming = l2[j], (ratios[j - 1] * l2[j - 1] if j > 0 else 0)
         else:
@@ -322,7 +330,7 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
     offloads, one file each; `skeleton_blocks`: blocks each chunk streams per site and pass,
     times sites, two files each)."""
     clock = clock or Clock()
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    starts = chunk_starts(lengths)
     scale = 1 + cost.backward_factor + recompute_fraction
     terms = StepTerms()
     fwd = []
@@ -433,7 +441,7 @@ def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half
     """(the fitting plan for these chunk lengths or None, the least peak any ratios give)."""
     n = len(lengths)
     window = copy_window(model, lengths, skeleton) if windowed else None
-    starts = [sum(lengths[:i]) for i in range(n)]
+    starts = chunk_starts(lengths)
     level2 = model.streamed_level2 if skeleton == "offload" else model.level2
     l2 = [level2(c, t) for c, t in zip(lengths, starts)]
     fwd_s = [cost.forward_flops(c, t) / (rate * c / (c + c_half)) for c, t in zip(lengths, starts)]

@@ -261,7 +261,20 @@ def test_bad_argument_is_refused_by_name(tmp_path, call, fragments):
     before = _children() if os.path.isdir("/proc/self/task") else set()
     _assert_refused(_gpt(), call, fragments, tmp_path)
     if before or os.path.isdir("/proc/self/task"):
-        assert _children() <= before, "a process was left behind"
+        left = _children() - before
+        assert not left, f"a process was left behind: {_cmdlines(left)}"
+
+
+def _cmdlines(pids) -> dict:
+    """Each process's command line, to tell which code started it (a flaky leftover)."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError as e:
+            out[pid] = f"({e.strerror})"
+    return out
 
 
 ENV_CASES = [

@@ -278,12 +278,17 @@ def _skeleton_measured_and_predicted(window, plans):
 W_MODEL, VIEWS, LONG_VIEWS, COPIES, SHORT = 8, [8] * 4, [8] * 16, [5, 20, 3, 4], [4] * 8
 
 
+# the tests that use `windowed_skeleton` run on one xdist worker (--dist loadgroup): it is built once
+ON_ONE_WORKER = pytest.mark.xdist_group("windowed_skeleton")
+
+
 @pytest.fixture(scope="module")
 def windowed_skeleton():
     """The windowed model (W = 8) run and modelled once for the tests below."""
     return _skeleton_measured_and_predicted(W_MODEL, [VIEWS, LONG_VIEWS, COPIES, SHORT])
 
 
+@ON_ONE_WORKER
 @pytest.mark.slow
 def test_predicted_skeleton_bytes_equal_the_runtime_and_stay_bounded_by_the_window(windowed_skeleton):
     """The memory model's kept skeleton equals what the runtime holds, byte for byte, in
@@ -303,6 +308,7 @@ def test_predicted_skeleton_bytes_equal_the_runtime_and_stay_bounded_by_the_wind
     assert causal[tuple(long_views)][1] == 4 * causal[tuple(views)][1] > 0
 
 
+@ON_ONE_WORKER
 def test_budget_solver_plans_a_windowed_model_below_the_full_skeleton_minimum(windowed_skeleton):
     """At T = 16W the solver fits a windowed model into a budget a whole K/V buffer below the
     least any plan needs when its skeleton is counted as a full-sequence buffer (the old

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import offload_program, tiny_program
+from conftest import SHARES_OFFLOAD_PROGRAMS, offload_program, tiny_program
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -177,6 +177,7 @@ def test_offloaded_skeleton_matches_eager(kind, tmp_path):
                for n in compiled.graphs["chunk.forward.1"].graph.nodes if n.op == "call_function")
 
 
+@SHARES_OFFLOAD_PROGRAMS
 @pytest.mark.slow
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])

@@ -11,10 +11,9 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_program
+from conftest import SHARES_OFFLOAD_PROGRAMS, offload_program, tiny_program
 
 from sppo_fx import Plan
-from sppo_fx.orchestrate import compile_chunk
 from sppo_fx.runtime import skeleton_log
 from sppo_fx.runtime.local import chunked_loss
 from sppo_fx.runtime.skeleton import KVSkeleton
@@ -23,15 +22,11 @@ from sppo_fx.runtime.store import ActivationStore
 TOKENS = 8  # per chunk
 
 
-_STREAMED: dict = {}  # id(program) -> (program, its streamed chunk program): compiled once
-
-
 def _step(program, params, n, store, seed=0):
     torch.manual_seed(seed)
     x, y = torch.randint(0, 97, (2, n * TOKENS)), torch.randint(0, 97, (2, n * TOKENS))
-    if id(program) not in _STREAMED:  # the runtime runs the orchestrator's streamed program
-        _STREAMED[id(program)] = (program, compile_chunk(program, skeleton="offload"))
-    loss = chunked_loss(program, params, [x, y], Plan(n * TOKENS, [TOKENS] * n), _STREAMED[id(program)][1],
+    # the runtime runs the orchestrator's streamed program (compile_chunk), compiled once
+    loss = chunked_loss(program, params, [x, y], Plan(n * TOKENS, [TOKENS] * n), offload_program(program, "offload"),
                         store=store, skeleton="offload")
     loss.backward()
     return loss.detach()
@@ -61,6 +56,7 @@ def _opens_per_step(monkeypatch, tmp_path, n):
     return len(opened)
 
 
+@SHARES_OFFLOAD_PROGRAMS
 @pytest.mark.slow
 def test_files_per_step_grow_at_most_linearly(monkeypatch, tmp_path):
     counts = {n: _opens_per_step(monkeypatch, tmp_path, n) for n in (4, 8, 16)}
@@ -89,6 +85,7 @@ def test_read_tasks_per_step_are_one_per_stream(tmp_path):
             assert os.listdir(store.dir) == []
 
 
+@SHARES_OFFLOAD_PROGRAMS
 def test_streamed_skeleton_on_disk_is_bitwise_the_device_one_and_matches_eager(tmp_path):
     model, cap, program = tiny_program("gpt")
     params = [cap.param_value(p) for p in program.params]

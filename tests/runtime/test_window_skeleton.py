@@ -128,6 +128,10 @@ class WindowLM(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+# the tests that use `offloaded_window` run on one xdist worker (--dist loadgroup): it is built once
+ON_ONE_WORKER = pytest.mark.xdist_group("offloaded_window")
+
+
 @pytest.fixture(scope="module")
 def offloaded_window(tmp_path_factory):
     """A 1-layer model (W = 8) compiled once with its skeleton offloaded to disk."""
@@ -158,6 +162,7 @@ def _run(model, compiled, lengths, monkeypatch):
 ROW = 2 * 4 * 8 * 4  # one K (or V) position: batch 2, 4 heads, head dim 8, float32
 
 
+@ON_ONE_WORKER
 @pytest.mark.parametrize("lengths", [[4] * 8, [12, 12, 8], [5, 20, 3, 4]])
 def test_offloaded_window_skeleton_matches_eager(offloaded_window, lengths, monkeypatch):
     """Chunks shorter than, longer than and mixed around W = 8: exact, and every chunk
@@ -167,6 +172,7 @@ def test_offloaded_window_skeleton_matches_eager(offloaded_window, lengths, monk
     assert peak == 2 * sum(min(n, 7) for n in lengths[:-1]) * ROW  # only the rows later windows read
 
 
+@ON_ONE_WORKER
 def test_offloaded_window_reads_per_chunk_do_not_grow_with_the_sequence(offloaded_window, monkeypatch):
     """T = 4W and 16W with chunks of W: each chunk reads the previous chunk's last W-1
     rows of K and V, at both lengths (a causal skeleton's reads grow with the prefix)."""
@@ -176,6 +182,7 @@ def test_offloaded_window_reads_per_chunk_do_not_grow_with_the_sequence(offloade
     assert peak == 15 * 2 * 7 * ROW < 2 * 128 * ROW  # stored: 7 of every chunk's 8 rows
 
 
+@ON_ONE_WORKER
 def test_budget_solver_offloads_a_windowed_skeleton_when_the_budget_requires_it(offloaded_window):
     """Below the least budget any plan with the skeleton kept needs, the solver streams the
     windowed skeleton (its reads counted over the window's blocks only) and the step is exact."""

@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import StoreTraffic, offload_program, tiny_program
+from conftest import SHARES_OFFLOAD_PROGRAMS, StoreTraffic, offload_program, tiny_program
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -129,6 +129,7 @@ def test_plan_with_offload_round_trips_and_prints():
         Plan(10, [6, 4], offload_ratios=[1.5, 0.0])
 
 
+@SHARES_OFFLOAD_PROGRAMS
 @pytest.mark.slow
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
