@@ -231,7 +231,7 @@ class DeviceProfile:
                             f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head, ")
                          + f"{self.attention_call_seconds * 1e6:.0f} us per call")]
               if self.op_seconds or self.file_seconds or self.attention_pair_seconds or self.attention_call_seconds
-              else []),
+              or self.attention_by_dim else []),
             ("memory", f"{self.memory_bytes / GiB:.1f} GiB"),
             ("source", self.source),
         ]
