@@ -9,7 +9,8 @@
                  interpolated), else e + d·f (`attention_pair_seconds`, `..._dim_seconds`); a
                  pair of a chunk's causal square (its own c(c+1)/2 pairs) costs
                  `attention_square` (by c) times a prefix pair (the kernel computes the
-                 diagonal's tiles whole); where
+                 diagonal's tiles whole); a chunk of c queries pays `attention_size` (by c)
+                 times the table's per-pair figure (short chunks dearer per pair); where
                  the profile has no such figure, attention FLOPs at the matmul rate instead
     exposed copy offload writes and reads, and a streamed skeleton's reads, that do not hide
                  behind compute (on a CPU-only machine nothing hides: the copies run on the
@@ -57,6 +58,9 @@ class Clock:
         attention_square: ((chunk length c, factor), ...): seconds of a pair in a chunk's
             causal square over a prefix pair's, measured at those c, interpolated in log c
             and held beyond them (() : 1, the same).
+        attention_size: ((chunk length c, factor), ...): a pair's seconds at c queries over
+            the table's (measured at 256 queries), interpolated in log c, held beyond (():
+            1).
     """
 
     op_seconds: float = 0.0
@@ -67,6 +71,7 @@ class Clock:
     attention_call_seconds: float = 0.0
     attention_by_dim: tuple = ()
     attention_square: tuple = ()
+    attention_size: tuple = ()
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -77,7 +82,7 @@ class Clock:
                    get("attention_pair_dim_seconds"), get("compiled_speedup", 1.0) if compiled else 1.0,
                    get("attention_call_seconds"),
                    tuple(sorted((float(d), float(sec)) for d, sec in (getattr(profile, "attention_by_dim", ()) or ()))),
-                   tuple(sorted((float(c), float(x)) for c, x in (getattr(profile, "attention_square", ()) or ()))))
+                   _table(profile, "attention_square"), _table(profile, "attention_size"))
 
     def pair_seconds(self, d: float) -> float:
         """Forward + backward seconds of one (query, key) pair of one head at head dim d:
@@ -90,10 +95,23 @@ class Clock:
 
     def square_factor(self, c: float) -> float:
         """A causal-square pair's cost over a prefix pair's for a chunk of c queries."""
-        if not self.attention_square:
-            return 1.0
-        return _interpolate(tuple((math.log(max(n, 1.0)), x) for n, x in self.attention_square),
-                            math.log(max(c, 1.0)), extend=False)
+        return _by_length(self.attention_square, c)
+
+    def size_factor(self, c: float) -> float:
+        """A pair's cost in a chunk of c queries over the per-dim table's (256 queries)."""
+        return _by_length(self.attention_size, c)
+
+
+def _table(profile, name: str) -> tuple:
+    return tuple(sorted((float(a), float(b)) for a, b in (getattr(profile, name, ()) or ())))
+
+
+def _by_length(table, c: float) -> float:
+    """A factor measured at some chunk lengths: interpolated in log c, held beyond; 1 if
+    none was measured."""
+    if not table:
+        return 1.0
+    return _interpolate(tuple((math.log(max(n, 1.0)), x) for n, x in table), math.log(max(c, 1.0)), extend=False)
 
 
 def _interpolate(table, x: float, extend: bool) -> float:
@@ -139,7 +157,7 @@ def attention_seconds(cost, c: int, t: int, clock: Clock) -> float | None:
     if not sites or not (clock.attention_by_dim or clock.attention_pair_seconds or clock.attention_pair_dim_seconds):
         return None
     per_pair = sum(bh * clock.pair_seconds(d) for bh, d in sites)
-    weighted = c * t + clock.square_factor(c) * c * (c + 1) / 2  # prefix pairs, square pairs
+    weighted = clock.size_factor(c) * (c * t + clock.square_factor(c) * c * (c + 1) / 2)  # prefix, square
     return weighted * per_pair / max(clock.compiled_speedup, 1e-9)
 
 

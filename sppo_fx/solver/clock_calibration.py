@@ -148,20 +148,25 @@ def attention_call_seconds(device, budget_s: float = 0.1) -> float:
 ATTENTION_DIMS = (8, 16, 32, 64, 128)
 #: chunk lengths a causal square's pair cost is measured at (`Clock.attention_square`)
 SQUARE_QUERIES = (256, 1024)
+#: chunk lengths a pair's cost is measured at, after a prefix of 3x (`Clock.attention_size`);
+#: 256 is the per-dim table's shape
+SIZE_QUERIES = (64, 256, 1024)
 
 
-def attention_figures(device, budget_s: float = 0.3) -> tuple[float, float, tuple, tuple]:
-    """(e, f, by_dim, square): forward + backward seconds of the library's chunk attention
-    per causal (query, key) pair and head, the call's fixed cost taken out:
+def attention_figures(device, budget_s: float = 0.3) -> tuple[float, float, tuple, tuple, tuple]:
+    """(e, f, by_dim, square, size): forward + backward seconds of the library's chunk
+    attention per causal (query, key) pair and head, the call's fixed cost taken out:
 
     - by_dim: ((d, seconds), ...) at each of `ATTENTION_DIMS`, on a chunk's shape (256
       queries after a 768-token prefix); the cost is not linear in d (on a CPU d = 8 costs
       what d = 32 does, twice the line through 16 and 64 says);
     - e, f: that line, e + d·f through d = 16 and 64 (shown in the profile's table, and
       the clock's figure where a profile has no table);
+    - size: ((c, factor), ...) at c = 64, 256, 1024 (prefix 3c, d = 32): a pair's cost at
+      c queries over its cost at 256 (idle CPU: 1.7 at 64, 0.9 at 1024, 0.85 at 2048);
     - square: ((c, factor), ...) at c = 256 and 1024: a pair of a chunk's causal square (c
-      queries, no prefix) over a prefix pair, at d = 32. The kernel computes the diagonal's
-      tiles whole: 1.3-1.8x at 256-512 queries on a CPU, about 1.1 at 1024 and more.
+      queries, no prefix) over a prefix pair at that c, d = 32. The kernel computes the
+      diagonal's tiles whole: 1.3-1.8x at 256-512 queries on a CPU, about 1.1 at 1024.
 
     On a CPU attention is bound by its softmax and memory traffic more than by FLOPs (a head
     dim of 8 runs at a few percent of the matmul rate), hence figures of its own. One head on
@@ -173,14 +178,23 @@ def attention_figures(device, budget_s: float = 0.3) -> tuple[float, float, tupl
     call = attention_call_seconds(device, budget_s / 8)
     fns = [_attention_pass(device, c, p, d, heads) for d in ATTENTION_DIMS]
     fns += [_attention_pass(device, n, 0, 32, heads) for n in SQUARE_QUERIES]
+    fns += [_attention_pass(device, n, 3 * n, 32, heads) for n in SIZE_QUERIES if n != c]
     times = _best_each(fns, 3, budget_s, timer)
-    per = [max(t - call, 0.0) / (heads * c * (p + (c + 1) / 2)) for t in times[:len(ATTENTION_DIMS)]]
+    k, m = len(ATTENTION_DIMS), len(SQUARE_QUERIES)
+
+    def per_pair(t, n, prefix):
+        return max(t - call, 0.0) / (heads * n * (prefix + (n + 1) / 2))
+    per = [per_pair(t, c, p) for t in times[:k]]
     by_dim = tuple(zip(ATTENTION_DIMS, per))
     at = dict(by_dim)
-    square = tuple((n, max(max(t - call, 0.0) / (heads * n * (n + 1) / 2) / at[32], 1.0) if at[32] > 0 else 1.0)
-                   for n, t in zip(SQUARE_QUERIES, times[len(ATTENTION_DIMS):]))
+    ref = at[32] or 1e-12
+    others = iter(times[k + m:])
+    size = tuple((n, 1.0 if n == c else max(per_pair(next(others), n, 3 * n) / ref, 1e-3)) for n in SIZE_QUERIES)
+    sized = dict(size)
+    square = tuple((n, max(per_pair(t, n, 0) / (ref * sized.get(n, 1.0)), 1.0))
+                   for n, t in zip(SQUARE_QUERIES, times[k:k + m]))
     f = max((at[64] - at[16]) / (64 - 16), 0.0)
-    return max(at[16] - 16 * f, 0.0), f, by_dim, square
+    return max(at[16] - 16 * f, 0.0), f, by_dim, square, size
 
 
 def attention_pair_seconds(device, budget_s: float = 0.3) -> tuple[float, float]:

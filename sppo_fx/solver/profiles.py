@@ -71,6 +71,8 @@ class DeviceProfile:
             dims, which the clock interpolates (e + d·f is not the cost's shape); (): e + d·f.
         attention_square: ((chunk length, factor), ...): a chunk's causal-square pair over a
             prefix pair (>= 1) at those lengths; (): 1.
+        attention_size: ((chunk length, factor), ...): a pair's cost at that many queries
+            over `attention_by_dim`'s (measured at 256); (): 1.
     """
 
     name: str
@@ -92,6 +94,7 @@ class DeviceProfile:
     attention_call_seconds: float = 0.0
     attention_by_dim: tuple = ()
     attention_square: tuple = ()
+    attention_size: tuple = ()
 
     def efficiency(self, tokens_per_chunk: float) -> float:
         """Fraction of `flops_per_s` reached by a chunk of this many tokens.
@@ -157,7 +160,7 @@ class DeviceProfile:
                          if f.default is dataclasses.MISSING and f.name not in data)
         if missing:
             raise SppoError(f"DeviceProfile is missing field(s) {missing}")
-        for table in ("attention_by_dim", "attention_square"):  # JSON gives lists
+        for table in ("attention_by_dim", "attention_square", "attention_size"):  # JSON gives lists
             if isinstance(data.get(table), (list, tuple)):
                 data = dict(data, **{table: tuple(tuple(x) if isinstance(x, (list, tuple)) else x
                                                   for x in data[table])})
@@ -188,7 +191,8 @@ class DeviceProfile:
             if not number(value) or value < 0:
                 raise SppoError(f"DeviceProfile {field}={value!r}: give a finite number of seconds >= 0")
         for field, least, what in (("attention_by_dim", 0, "head dim > 0, seconds >= 0"),
-                                   ("attention_square", 1, "chunk length > 0, factor >= 1")):
+                                   ("attention_square", 1, "chunk length > 0, factor >= 1"),
+                                   ("attention_size", 1e-3, "chunk length > 0, factor > 0")):
             table = getattr(self, field)
             if not isinstance(table, tuple) or not all(isinstance(x, tuple) and len(x) == 2 and all(map(number, x))
                                                        and x[0] > 0 and x[1] >= least for x in table):
@@ -225,7 +229,9 @@ class DeviceProfile:
                          + (("attention " + ", ".join(f"{t * 1e9:.1f}" for _, t in self.attention_by_dim)
                              + " ns per pair and head at d = " + "/".join(f"{d:g}" for d, _ in self.attention_by_dim)
                              + ", square x" + "/".join(f"{x:.2f}" for _, x in self.attention_square)
-                             + " at c = " + "/".join(f"{c:g}" for c, _ in self.attention_square) + "; ")
+                             + " at c = " + "/".join(f"{c:g}" for c, _ in self.attention_square)
+                             + ", per pair x" + "/".join(f"{x:.2f}" for _, x in self.attention_size)
+                             + " at c = " + "/".join(f"{c:g}" for c, _ in self.attention_size) + "; ")
                             if self.attention_by_dim else
                             f"attention {self.attention_pair_seconds * 1e9:.2f} + d x "
                             f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head, ")
@@ -539,7 +545,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     from sppo_fx.solver import clock_calibration as cc
     op_s = cc.op_seconds(0.05 * seconds)
     file_s = cc.file_seconds(dir, 0.075 * seconds)
-    attn_e, attn_f, attn_by_dim, attn_square = cc.attention_figures(dev, 0.15 * seconds)
+    attn_e, attn_f, attn_by_dim, attn_square, attn_size = cc.attention_figures(dev, 0.25 * seconds)
     attn_call = cc.attention_call_seconds(dev, 0.05 * seconds)
     if dev.type == "cpu":  # a real chunk program's per-op cost (on CUDA: the plain-op figure)
         op_s = cc.program_op_seconds(attn_call, 0.3 * seconds) or op_s
@@ -554,6 +560,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         attention_pair_dim_seconds=float(attn_f), attention_call_seconds=float(attn_call),
         attention_by_dim=tuple((int(d), float(t)) for d, t in attn_by_dim),
         attention_square=tuple((int(c), float(x)) for c, x in attn_square),
+        attention_size=tuple((int(c), float(x)) for c, x in attn_size),
         source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, "
                f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")

@@ -173,6 +173,18 @@ def test_a_chunks_causal_square_costs_its_measured_factor():
     assert clock.square_factor(64) == 2.0 and clock.square_factor(8192) == 1.0
 
 
+def test_short_chunks_pay_their_measured_pair_cost():
+    # a pair in a chunk of 64 queries costs 1.7x one in 256 (an idle CPU), 1024: 0.9x
+    size = ((64, 1.7), (256, 1.0), (1024, 0.9))
+    clock = Clock(attention_by_dim=((16, 4e-9),), attention_size=size)
+    flat = Clock(attention_by_dim=((16, 4e-9),))
+    for c, factor in ((32, 1.7), (64, 1.7), (128, 1.35), (256, 1.0), (1024, 0.9), (4096, 0.9)):
+        n = T // c
+        assert _attention(COST, [c] * n, clock) == pytest.approx(factor * _attention(COST, [c] * n, flat))
+    assert Clock.of(DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, attention_by_dim=((16, 4e-9),),
+                                  attention_size=size)).size_factor(64) == 1.7
+
+
 def test_a_profile_carries_the_attention_tables():
     prof = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, attention_by_dim=((8, 8e-9), (32, 8e-9)),
                          attention_square=((256, 1.6), (1024, 1.1)))
@@ -182,7 +194,7 @@ def test_a_profile_carries_the_attention_tables():
     assert clock.attention_by_dim == ((8.0, 8e-9), (32.0, 8e-9)) and clock.square_factor(1024) == 1.1
     assert "d = 8/32" in prof.table() and "square x1.60/1.10" in prof.table()
     for field, bad in (("attention_by_dim", ((8, -1e-9),)), ("attention_square", ((256, 0.5),)),
-                       ("attention_by_dim", ((0, 1e-9),))):
+                       ("attention_by_dim", ((0, 1e-9),)), ("attention_size", ((64, 0.0),))):
         with pytest.raises(Exception, match=field):
             DeviceProfile.from_dict(dict(prof.to_dict(), **{field: bad}))
 
@@ -190,9 +202,10 @@ def test_a_profile_carries_the_attention_tables():
 def test_the_attention_tables_are_measured():
     import torch
     from sppo_fx.solver import clock_calibration as cc
-    e, f, by_dim, square = cc.attention_figures(torch.device("cpu"), 0.02)
+    e, f, by_dim, square, size = cc.attention_figures(torch.device("cpu"), 0.02)
     assert [d for d, _ in by_dim] == list(cc.ATTENTION_DIMS) and all(s > 0 for _, s in by_dim)
     assert [c for c, _ in square] == list(cc.SQUARE_QUERIES) and all(x >= 1 for _, x in square)
+    assert [c for c, _ in size] == list(cc.SIZE_QUERIES) and dict(size)[256] == 1.0 and all(x > 0 for _, x in size)
     assert e >= 0 and f >= 0
 
 
