@@ -138,10 +138,12 @@ def _attention_pass(device, c: int, p: int, d: int, heads: int = 4):
 
 def attention_call_seconds(device, budget_s: float = 0.1) -> float:
     """Fixed cost of one call of the library's chunk attention, forward + backward: a call
-    on 4 heads of 1 query and key, whose arithmetic is nil. Each attention site of each
+    on 4 heads of 1 query after 1 prefix key, whose arithmetic is nil. Each attention site of each
     chunk (and each streamed skeleton block) pays it, so short chunks cost more than their
     pairs say."""
-    return _best(_attention_pass(device, 1, 0, 16), 3, budget_s, compute_timer(device))
+    # after a 1-key prefix: the path of every chunk but the first (two kernel calls and their
+    # log-sum-exp merge, forward and backward), dearer than one call without a prefix
+    return _best(_attention_pass(device, 1, 1, 16), 3, budget_s, compute_timer(device))
 
 
 #: head dims the attention pair cost is measured at (`Clock.attention_by_dim`)
@@ -150,7 +152,7 @@ ATTENTION_DIMS = (8, 16, 32, 64, 128)
 SQUARE_QUERIES = (256, 1024)
 #: chunk lengths a pair's cost is measured at, after a prefix of 3x (`Clock.attention_size`);
 #: 256 is the per-dim table's shape
-SIZE_QUERIES = (64, 256, 1024)
+SIZE_QUERIES = (128, 256, 1024)
 
 
 def attention_figures(device, budget_s: float = 0.3) -> tuple[float, float, tuple, tuple, tuple]:
@@ -162,8 +164,8 @@ def attention_figures(device, budget_s: float = 0.3) -> tuple[float, float, tupl
       what d = 32 does, twice the line through 16 and 64 says);
     - e, f: that line, e + d·f through d = 16 and 64 (shown in the profile's table, and
       the clock's figure where a profile has no table);
-    - size: ((c, factor), ...) at c = 64, 256, 1024 (prefix 3c, d = 32): a pair's cost at
-      c queries over its cost at 256 (idle CPU: 1.7 at 64, 0.9 at 1024, 0.85 at 2048);
+    - size: ((c, factor), ...) at c = 128, 256, 1024 (prefix 3c, d = 32): a pair's cost at
+      c queries over its cost at 256 (idle CPU: about 1.05 at 128, 0.9 at 1024);
     - square: ((c, factor), ...) at c = 256 and 1024: a pair of a chunk's causal square (c
       queries, no prefix) over a prefix pair at that c, d = 32. The kernel computes the
       diagonal's tiles whole: 1.3-1.8x at 256-512 queries on a CPU, about 1.1 at 1024.
