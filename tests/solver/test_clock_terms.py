@@ -107,6 +107,7 @@ def test_a_failed_grid_run_is_recorded_not_fatal(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "clock-grid.json").read_text())
     assert [r["label"] for r in record["rows"]] == ["tiny T=64", "small T=64"]
     assert all("bench exited 2" in r["error"] for r in record["rows"])
+    assert isinstance(record["profiles"], list)  # the profiles the rows were predicted with
 
 
 def test_a_recompute_runs_the_forward_ops_and_calls_again():
