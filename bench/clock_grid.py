@@ -16,8 +16,16 @@ that runs out, or a (model, T) whose bench fails as a whole, is recorded with it
 the grid goes on.
 
 Writes under --out: one folder per (model, T) (`sppo-fx bench`'s records), clock-grid.json
-(every row, the accuracy, the commands, failures), clock-grid.png (needs matplotlib, the
-`plot` extra; skipped with a note without it).
+(every row, the accuracy, the commands, failures, and the device profiles the rows were
+predicted with: a calibration made under load shows there), clock-grid.png (needs
+matplotlib, the `plot` extra; skipped with a note without it).
+
+    python bench/clock_grid.py --attention --out /tmp/attn    # the attention term alone
+
+`--attention` times the chunk attention ops (forward op, backward op, process CPU time) at
+the shapes of few- and many-chunk plans of the grid's models, against the clock's attention
+term from a calibration made just before in the same process, per round: the per-dim,
+size and square tables ("new") and the line e + d·f alone ("old").
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 DEFAULT_GRID = "tiny:1024,tiny:8192,small:2048,small:4096,bench:1024"
 
@@ -72,6 +81,59 @@ def _line(r: dict) -> str:
             + ratio + detail)
 
 
+#: (label, (heads, head dim, layers), chunk lengths): plans of the grid's models
+ATTENTION_ROWS = (("tiny T=1024 (4)", (4, 8, 2), (443, 238, 186, 157)),
+                  ("tiny T=8192 (4)", (4, 8, 2), (4096, 1697, 1302, 1097)),
+                  ("small T=2048 (4)", (8, 32, 4), (800, 500, 400, 348)),
+                  ("small T=4096 (4)", (8, 32, 4), (1593, 1010, 804, 689)),
+                  ("bench T=1024 (4)", (12, 64, 16), (443, 238, 186, 157)),
+                  ("small T=4096 (16)", (8, 32, 4), (256,) * 16),
+                  ("tiny T=1024 (64)", (4, 8, 2), (16,) * 64))
+
+
+def attention_rows(rounds: int = 2) -> list[dict]:
+    """Measured / predicted attention seconds of `ATTENTION_ROWS`, old and new clock."""
+    import torch
+    from sppo_fx.solver import clock_calibration as cc
+    from sppo_fx.solver.clock import Clock, attention_seconds
+    from sppo_fx.solver.partition import ChunkCostModel
+    dev, out = torch.device("cpu"), []
+    timer = cc.compute_timer(dev)
+    for rnd in range(rounds):
+        e, f, by_dim, square, size = cc.attention_figures(dev, 0.25)
+        call = cc.attention_call_seconds(dev, 0.05)
+        old = Clock(attention_pair_seconds=e, attention_pair_dim_seconds=f, attention_call_seconds=call)
+        new = Clock.of(types.SimpleNamespace(attention_pair_seconds=e, attention_pair_dim_seconds=f,
+                                             attention_call_seconds=call, attention_by_dim=by_dim,
+                                             attention_square=square, attention_size=size))
+        print(f"round {rnd}: per pair and head (ns) {[(d, round(x * 1e9, 2)) for d, x in by_dim]}, "
+              f"square {square}, size {size}", flush=True)
+        for label, (h, d, layers), lengths in ATTENTION_ROWS:
+            cost = ChunkCostModel(per_token=0, per_pair=0, attention=((h, d),) * layers)
+            starts = [sum(lengths[:i]) for i in range(len(lengths))]
+            meas = sum(layers * cc._best(cc._attention_pass(dev, c, t, d, h), 1, 0.0, timer)
+                       for c, t in zip(lengths, starts))
+            pred = {name: sum(attention_seconds(cost, c, t, clock) + layers * call for c, t in zip(lengths, starts))
+                    for name, clock in (("old", old), ("new", new))}
+            out.append(dict(round=rnd, label=label, measured_s=meas, **{f"{k}_s": v for k, v in pred.items()}))
+            print(f"  {label:18s} measured {meas:.3f} s, meas/pred old {meas / pred['old']:.2f}, "
+                  f"new {meas / pred['new']:.2f}", flush=True)
+    return out
+
+
+def _profiles() -> list[dict]:
+    """The device profiles stored in this process's profile cache (the rows' predictions)."""
+    from sppo_fx.solver.profile_cache import cache_dir
+    found = []
+    try:
+        for name in sorted(os.listdir(cache_dir())):
+            with open(os.path.join(cache_dir(), name)) as f:
+                found.append(json.load(f))
+    except (OSError, json.JSONDecodeError):
+        pass
+    return found
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grid", default=DEFAULT_GRID, help="comma list of size:T")
@@ -82,7 +144,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", default="1")
     p.add_argument("--timeout", default="300", help="seconds per row (a row that runs out is recorded failed)")
     p.add_argument("--out", required=True)
+    p.add_argument("--attention", action="store_true", help="the attention term alone at the plans' shapes")
     args = p.parse_args(argv)
+    if args.attention:
+        os.makedirs(args.out, exist_ok=True)
+        record = {"command": " ".join([sys.executable, *sys.argv]), "load_average": os.getloadavg(),
+                  "rows": attention_rows()}
+        with open(os.path.join(args.out, "attention-rows.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        return 0
     from sppo_fx.benchmark.report import accuracy, format_accuracy
     os.makedirs(args.out, exist_ok=True)
     rows, runs = [], []
@@ -95,7 +165,8 @@ def main(argv=None) -> int:
     inside = [0.8 <= r["step_s"] / r["predicted_step_s"] <= 1.25 for r in rows
               if "error" not in r and r.get("predicted_step_s")]
     acc["step_rows_within_0.8_1.25"] = f"{sum(inside)}/{len(inside)}"
-    record = {"command": " ".join([sys.executable, *sys.argv]), "runs": runs, "rows": rows, "accuracy": acc}
+    record = {"command": " ".join([sys.executable, *sys.argv]), "runs": runs, "rows": rows, "accuracy": acc,
+              "profiles": _profiles()}
     with open(os.path.join(args.out, "clock-grid.json"), "w") as f:
         json.dump(record, f, indent=1)
     print("\n" + "\n".join(_line(r) for r in rows))

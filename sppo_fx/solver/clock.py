@@ -4,8 +4,13 @@
 
     compute      matmul FLOPs outside attention at the profile's rate and chunk efficiency
                  (`DeviceProfile.compute_seconds`), forward x (1 + backward factor + recompute)
-    attention    per causal (query, key) pair and head: e + d·f seconds (forward and backward),
-                 calibrated (`DeviceProfile.attention_pair_seconds`, `..._dim_seconds`); where
+    attention    per causal (query, key) pair and head: seconds at the head dim d (forward and
+                 backward), from the calibrated per-dim table (`DeviceProfile.attention_by_dim`,
+                 interpolated), else e + d·f (`attention_pair_seconds`, `..._dim_seconds`); a
+                 pair of a chunk's causal square (its own c(c+1)/2 pairs) costs
+                 `attention_square` (by c) times a prefix pair (the kernel computes the
+                 diagonal's tiles whole); a chunk of c queries pays `attention_size` (by c)
+                 times the table's per-pair figure (short chunks dearer per pair); where
                  the profile has no such figure, attention FLOPs at the matmul rate instead
     exposed copy offload writes and reads, and a streamed skeleton's reads, that do not hide
                  behind compute (on a CPU-only machine nothing hides: the copies run on the
@@ -29,6 +34,7 @@ term out: what the clock cannot know it does not guess.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 #: ops an attention call on one streamed block runs (attention, lse merge), forward + backward
 BLOCK_OPS = 8
@@ -46,6 +52,15 @@ class Clock:
         attention_call_seconds: fixed cost of one chunk attention call, forward + backward
             (Python, dispatch, its small ops and buffers; 0: not charged).
         compiled_speedup: compiled chunk programs' speed over op-by-op graphs (>= 1 faster).
+        attention_by_dim: ((head dim, seconds per pair and head), ...) measured at those head
+            dims; () to use e + d·f. The cost is not linear in d: on a CPU a head dim of 8
+            costs what 32 does (vector width), twice e + 8·f fitted at 16 and 64.
+        attention_square: ((chunk length c, factor), ...): seconds of a pair in a chunk's
+            causal square over a prefix pair's, measured at those c, interpolated in log c
+            and held beyond them (() : 1, the same).
+        attention_size: ((chunk length c, factor), ...): a pair's seconds at c queries over
+            the table's (measured at 256 queries), interpolated in log c, held beyond (():
+            1).
     """
 
     op_seconds: float = 0.0
@@ -54,6 +69,9 @@ class Clock:
     attention_pair_dim_seconds: float = 0.0
     compiled_speedup: float = 1.0
     attention_call_seconds: float = 0.0
+    attention_by_dim: tuple = ()
+    attention_square: tuple = ()
+    attention_size: tuple = ()
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -62,7 +80,51 @@ class Clock:
         get = lambda name, default=0.0: float(getattr(profile, name, default) or default)  # noqa: E731
         return cls(get("op_seconds"), get("file_seconds") if tier == "disk" else 0.0, get("attention_pair_seconds"),
                    get("attention_pair_dim_seconds"), get("compiled_speedup", 1.0) if compiled else 1.0,
-                   get("attention_call_seconds"))
+                   get("attention_call_seconds"),
+                   tuple(sorted((float(d), float(sec)) for d, sec in (getattr(profile, "attention_by_dim", ()) or ()))),
+                   _table(profile, "attention_square"), _table(profile, "attention_size"))
+
+    def pair_seconds(self, d: float) -> float:
+        """Forward + backward seconds of one (query, key) pair of one head at head dim d:
+        the per-dim table interpolated linearly (below its smallest dim: that dim's figure,
+        a narrower head does not run faster; above its largest: the last segment's slope),
+        else e + d·f."""
+        if not self.attention_by_dim:
+            return self.attention_pair_seconds + d * self.attention_pair_dim_seconds
+        return _interpolate(self.attention_by_dim, d, extend=True)
+
+    def square_factor(self, c: float) -> float:
+        """A causal-square pair's cost over a prefix pair's for a chunk of c queries."""
+        return _by_length(self.attention_square, c)
+
+    def size_factor(self, c: float) -> float:
+        """A pair's cost in a chunk of c queries over the per-dim table's (256 queries)."""
+        return _by_length(self.attention_size, c)
+
+
+def _table(profile, name: str) -> tuple:
+    return tuple(sorted((float(a), float(b)) for a, b in (getattr(profile, name, ()) or ())))
+
+
+def _by_length(table, c: float) -> float:
+    """A factor measured at some chunk lengths: interpolated in log c, held beyond; 1 if
+    none was measured."""
+    if not table:
+        return 1.0
+    return _interpolate(tuple((math.log(max(n, 1.0)), x) for n, x in table), math.log(max(c, 1.0)), extend=False)
+
+
+def _interpolate(table, x: float, extend: bool) -> float:
+    """Piecewise linear through sorted (x, y) points: below the first, its y; above the
+    last, the last segment extended (`extend`) or the last y."""
+    if x <= table[0][0] or len(table) == 1:
+        return table[0][1]
+    if x >= table[-1][0] and not extend:
+        return table[-1][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            break  # else the last segment, extended
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
 @dataclasses.dataclass
@@ -92,10 +154,11 @@ def attention_seconds(cost, c: int, t: int, clock: Clock) -> float | None:
     """Forward + backward attention seconds of one chunk by the calibrated pair cost, or
     None where the clock or the cost model has no such figure (FLOPs then count it)."""
     sites = getattr(cost, "attention", ())
-    if not sites or not (clock.attention_pair_seconds or clock.attention_pair_dim_seconds):
+    if not sites or not (clock.attention_by_dim or clock.attention_pair_seconds or clock.attention_pair_dim_seconds):
         return None
-    per_pair = sum(bh * (clock.attention_pair_seconds + d * clock.attention_pair_dim_seconds) for bh, d in sites)
-    return pairs(c, t) * per_pair / max(clock.compiled_speedup, 1e-9)
+    per_pair = sum(bh * clock.pair_seconds(d) for bh, d in sites)
+    weighted = clock.size_factor(c) * (c * t + clock.square_factor(c) * c * (c + 1) / 2)  # prefix, square
+    return weighted * per_pair / max(clock.compiled_speedup, 1e-9)
 
 
 def overhead_seconds(cost, n_chunks: int, files: int, block_reads: int, clock: Clock,

@@ -2,7 +2,11 @@
 `profiles.calibrate`: what one op, one disk-tier file and one attention pair cost.
 
 Each figure is the best of interleaved repetitions (`profiles`' approach: transient load
-from other processes slows some repetitions, never speeds one up).
+from other processes slows some repetitions, never speeds one up). Compute figures on a CPU
+with one torch thread are timed in the process's CPU time (`compute_timer`): a repetition
+longer than the scheduler's slice on a core shared with another process is slowed in wall
+time however many repetitions run (attention figures came out 3.4x apart a few minutes
+apart on a loaded 2-core machine), while CPU time stops whenever the core is elsewhere.
 """
 from __future__ import annotations
 
@@ -13,14 +17,34 @@ import threading
 import time
 
 
-def _best(fn, reps: int, budget_s: float) -> float:
-    """Best seconds of fn() over at least `reps` calls within about `budget_s`."""
-    fn()
-    best, t_end, n = float("inf"), time.perf_counter() + budget_s, 0
-    while n < reps or (time.perf_counter() < t_end and n < 50 * reps):
-        t0 = time.perf_counter()
+def compute_timer(device=None):
+    """The clock that times compute on `device`: on a CPU with one torch thread, the
+    process's CPU time (all its threads; it does not run while other processes hold the
+    core); else wall time (several threads' CPU time would add up; a GPU's work is not the
+    process's CPU time)."""
+    import torch
+    if (device is None or getattr(device, "type", device) == "cpu") and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def _best(fn, reps: int, budget_s: float, timer=time.perf_counter) -> float:
+    """Best seconds of fn() by `timer` over at least `reps` calls within about `budget_s`."""
+    return _best_each([fn], reps, budget_s, timer)[0]
+
+
+def _best_each(fns, reps: int, budget_s: float, timer=time.perf_counter) -> list[float]:
+    """Best seconds of each fn() by `timer`, in at least `reps` interleaved rounds within
+    about `budget_s` of wall time (interleaved: a burst of load hits all alike)."""
+    for fn in fns:
         fn()
-        best, n = min(best, time.perf_counter() - t0), n + 1
+    best, t_end, n = [float("inf")] * len(fns), time.perf_counter() + budget_s, 0
+    while n < reps or (time.perf_counter() < t_end and n < 50 * reps):
+        for i, fn in enumerate(fns):
+            t0 = timer()
+            fn()
+            best[i] = min(best[i], timer() - t0)
+        n += 1
     return best
 
 
@@ -38,7 +62,7 @@ def op_seconds(budget_s: float = 0.1) -> float:
         for _ in range(ops):
             x = torch.mul(x, b)
         x.sum().backward()
-    return _best(run, 3, budget_s) / (3 * ops)
+    return _best(run, 3, budget_s, compute_timer()) / (3 * ops)
 
 
 def file_seconds(dir: str | None = None, budget_s: float = 0.15, files: int = 32) -> float:
@@ -114,27 +138,74 @@ def _attention_pass(device, c: int, p: int, d: int, heads: int = 4):
 
 def attention_call_seconds(device, budget_s: float = 0.1) -> float:
     """Fixed cost of one call of the library's chunk attention, forward + backward: a call
-    on 4 heads of 1 query and key, whose arithmetic is nil. Each attention site of each
+    on 4 heads of 1 query after 1 prefix key, whose arithmetic is nil. Each attention site of each
     chunk (and each streamed skeleton block) pays it, so short chunks cost more than their
     pairs say."""
-    return _best(_attention_pass(device, 1, 0, 16), 3, budget_s)
+    # after a 1-key prefix: the path of every chunk but the first (two kernel calls and their
+    # log-sum-exp merge, forward and backward), dearer than one call without a prefix
+    return _best(_attention_pass(device, 1, 1, 16), 3, budget_s, compute_timer(device))
+
+
+#: head dims the attention pair cost is measured at (`Clock.attention_by_dim`)
+ATTENTION_DIMS = (8, 16, 32, 64, 128)
+#: chunk lengths a causal square's pair cost is measured at (`Clock.attention_square`)
+SQUARE_QUERIES = (256, 1024)
+#: chunk lengths a pair's cost is measured at, after a prefix of 3x (`Clock.attention_size`);
+#: 256 is the per-dim table's shape
+SIZE_QUERIES = (128, 256, 1024)
+
+
+def attention_figures(device, budget_s: float = 0.3) -> tuple[float, float, tuple, tuple, tuple]:
+    """(e, f, by_dim, square, size): forward + backward seconds of the library's chunk
+    attention per causal (query, key) pair and head, the call's fixed cost taken out:
+
+    - by_dim: ((d, seconds), ...) at each of `ATTENTION_DIMS`, on a chunk's shape (256
+      queries after a 768-token prefix); the cost is not linear in d (on a CPU d = 8 costs
+      what d = 32 does, twice the line through 16 and 64 says);
+    - e, f: that line, e + d·f through d = 16 and 64 (shown in the profile's table, and
+      the clock's figure where a profile has no table);
+    - size: ((c, factor), ...) at c = 128, 256, 1024 (prefix 3c, d = 32): a pair's cost at
+      c queries over its cost at 256 (idle CPU: about 1.05 at 128, 0.9 at 1024);
+    - square: ((c, factor), ...) at c = 256 and 1024: a pair of a chunk's causal square (c
+      queries, no prefix) over a prefix pair at that c, d = 32. The kernel computes the
+      diagonal's tiles whole: 1.3-1.8x at 256-512 queries on a CPU, about 1.1 at 1024.
+
+    On a CPU attention is bound by its softmax and memory traffic more than by FLOPs (a head
+    dim of 8 runs at a few percent of the matmul rate), hence figures of its own. One head on
+    a CPU (the cost is linear in heads there; 1 head is a quarter of the time of 4, so more
+    repetitions fit), four on a GPU."""
+    c, p = 256, 768
+    heads = 1 if device.type == "cpu" else 4
+    timer = compute_timer(device)
+    call = attention_call_seconds(device, budget_s / 8)
+    fns = [_attention_pass(device, c, p, d, heads) for d in ATTENTION_DIMS]
+    fns += [_attention_pass(device, n, 0, 32, heads) for n in SQUARE_QUERIES]
+    # shorter shapes on more heads: a repetition of a millisecond or less is what load
+    # distorts most (128 queries on one head came out 1.2x and 2.1x in two loaded rounds)
+    wide = {n: heads * max(1, c // n) for n in SIZE_QUERIES}
+    fns += [_attention_pass(device, n, 3 * n, 32, wide[n]) for n in SIZE_QUERIES if n != c]
+    times = _best_each(fns, 3, budget_s, timer)
+    k, m = len(ATTENTION_DIMS), len(SQUARE_QUERIES)
+
+    def per_pair(t, n, prefix, h=heads):
+        return max(t - call, 0.0) / (h * n * (prefix + (n + 1) / 2))
+    per = [per_pair(t, c, p) for t in times[:k]]
+    by_dim = tuple(zip(ATTENTION_DIMS, per))
+    at = dict(by_dim)
+    ref = at[32] or 1e-12
+    others = iter(times[k + m:])
+    size = tuple((n, 1.0 if n == c else max(per_pair(next(others), n, 3 * n, wide[n]) / ref, 1e-3))
+                 for n in SIZE_QUERIES)
+    sized = dict(size)
+    square = tuple((n, max(per_pair(t, n, 0) / (ref * sized.get(n, 1.0)), 1.0))
+                   for n, t in zip(SQUARE_QUERIES, times[k:k + m]))
+    f = max((at[64] - at[16]) / (64 - 16), 0.0)
+    return max(at[16] - 16 * f, 0.0), f, by_dim, square, size
 
 
 def attention_pair_seconds(device, budget_s: float = 0.3) -> tuple[float, float]:
-    """(e, f): forward + backward seconds of the library's chunk attention per causal
-    (query, key) pair and head, e + d·f at head dim d, fitted at d = 16 and d = 64 on a
-    chunk's shape (256 queries after a 768-token prefix), the call's fixed cost taken out.
-
-    On a CPU attention is bound by its softmax and memory traffic more than by FLOPs (a head
-    dim of 8 runs at a few percent of the matmul rate), hence a figure of its own."""
-    c, p, heads = 256, 768, 4
-    call = attention_call_seconds(device, budget_s / 6)
-    per = []
-    for d in (16, 64):
-        t = _best(_attention_pass(device, c, p, d, heads), 2, budget_s / 3)
-        per.append(max(t - call, 0.0) / (heads * c * (p + (c + 1) / 2)))
-    f = max((per[1] - per[0]) / (64 - 16), 0.0)
-    return max(per[0] - 16 * f, 0.0), f
+    """(e, f) of `attention_figures`."""
+    return attention_figures(device, budget_s)[:2]
 
 
 def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6) -> float | None:
@@ -156,14 +227,14 @@ def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6) -> floa
         runs = {n: sppo_fx.compile(model, chunks=n, compile=False) for n in (1, 4)}
         for run in runs.values():
             run.step(x, y)  # capture and build the programs (not timed)
-        t1, t4 = float("inf"), float("inf")
+        t1, t4, timer = float("inf"), float("inf"), compute_timer()
         t_end, k = time.perf_counter() + budget_s, 0
         while k < 3 or (time.perf_counter() < t_end and k < 50):  # interleaved: load hits both alike
             for n, run in runs.items():
                 model.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
+                t0 = timer()
                 run.step(x, y)
-                dt = time.perf_counter() - t0
+                dt = timer() - t0
                 t1, t4 = (min(t1, dt), t4) if n == 1 else (t1, min(t4, dt))
             k += 1
         cost = runs[4]._require_entry().cost

@@ -67,6 +67,12 @@ class DeviceProfile:
             unknown, the term is left out.
         attention_call_seconds: fixed cost of one chunk attention call, forward + backward
             (`solver.clock`); 0: unknown, not charged.
+        attention_by_dim: ((head dim, seconds per pair and head), ...) measured at those
+            dims, which the clock interpolates (e + d·f is not the cost's shape); (): e + d·f.
+        attention_square: ((chunk length, factor), ...): a chunk's causal-square pair over a
+            prefix pair (>= 1) at those lengths; (): 1.
+        attention_size: ((chunk length, factor), ...): a pair's cost at that many queries
+            over `attention_by_dim`'s (measured at 256); (): 1.
     """
 
     name: str
@@ -86,6 +92,9 @@ class DeviceProfile:
     attention_pair_dim_seconds: float = 0.0
     compiled_speedup: float = 1.0
     attention_call_seconds: float = 0.0
+    attention_by_dim: tuple = ()
+    attention_square: tuple = ()
+    attention_size: tuple = ()
 
     def efficiency(self, tokens_per_chunk: float) -> float:
         """Fraction of `flops_per_s` reached by a chunk of this many tokens.
@@ -151,6 +160,10 @@ class DeviceProfile:
                          if f.default is dataclasses.MISSING and f.name not in data)
         if missing:
             raise SppoError(f"DeviceProfile is missing field(s) {missing}")
+        for table in ("attention_by_dim", "attention_square", "attention_size"):  # JSON gives lists
+            if isinstance(data.get(table), (list, tuple)):
+                data = dict(data, **{table: tuple(tuple(x) if isinstance(x, (list, tuple)) else x
+                                                  for x in data[table])})
         profile = cls(**data)
         profile.check()
         return profile
@@ -177,6 +190,13 @@ class DeviceProfile:
             value = getattr(self, field)
             if not number(value) or value < 0:
                 raise SppoError(f"DeviceProfile {field}={value!r}: give a finite number of seconds >= 0")
+        for field, least, what in (("attention_by_dim", 0, "head dim > 0, seconds >= 0"),
+                                   ("attention_square", 1, "chunk length > 0, factor >= 1"),
+                                   ("attention_size", 1e-3, "chunk length > 0, factor > 0")):
+            table = getattr(self, field)
+            if not isinstance(table, tuple) or not all(isinstance(x, tuple) and len(x) == 2 and all(map(number, x))
+                                                       and x[0] > 0 and x[1] >= least for x in table):
+                raise SppoError(f"DeviceProfile {field}={table!r}: give (({what}), ...)")
         if not number(self.compiled_speedup) or self.compiled_speedup <= 0:
             raise SppoError(f"DeviceProfile compiled_speedup={self.compiled_speedup!r}: give a positive finite factor")
         if not number(self.n_half) or self.n_half < 0:
@@ -206,11 +226,18 @@ class DeviceProfile:
                                       f"{self.disk_cache_bytes / GiB:.1f} GiB")]
               if self.disk_cached_write_bytes_per_s else []),
             *([("clock", f"op {self.op_seconds * 1e6:.1f} us, disk file {self.file_seconds * 1e6:.0f} us, "
-                         f"attention {self.attention_pair_seconds * 1e9:.2f} + d x "
-                         f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head, "
-                         f"{self.attention_call_seconds * 1e6:.0f} us per call")]
+                         + (("attention " + ", ".join(f"{t * 1e9:.1f}" for _, t in self.attention_by_dim)
+                             + " ns per pair and head at d = " + "/".join(f"{d:g}" for d, _ in self.attention_by_dim)
+                             + ", square x" + "/".join(f"{x:.2f}" for _, x in self.attention_square)
+                             + " at c = " + "/".join(f"{c:g}" for c, _ in self.attention_square)
+                             + ", per pair x" + "/".join(f"{x:.2f}" for _, x in self.attention_size)
+                             + " at c = " + "/".join(f"{c:g}" for c, _ in self.attention_size) + "; ")
+                            if self.attention_by_dim else
+                            f"attention {self.attention_pair_seconds * 1e9:.2f} + d x "
+                            f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head, ")
+                         + f"{self.attention_call_seconds * 1e6:.0f} us per call")]
               if self.op_seconds or self.file_seconds or self.attention_pair_seconds or self.attention_call_seconds
-              else []),
+              or self.attention_by_dim else []),
             ("memory", f"{self.memory_bytes / GiB:.1f} GiB"),
             ("source", self.source),
         ]
@@ -283,12 +310,15 @@ def _timer(device):
             end.record()
             end.synchronize()
             return ev.elapsed_time(end) / 1e3
-    else:
+    else:  # CPU time with one thread: a core shared with another process (clock_calibration)
+        from sppo_fx.solver.clock_calibration import compute_timer
+        clock = compute_timer(device)
+
         def start():
-            return time.perf_counter()
+            return clock()
 
         def stop(t0):
-            return time.perf_counter() - t0
+            return clock() - t0
     return start, stop
 
 
@@ -515,7 +545,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     from sppo_fx.solver import clock_calibration as cc
     op_s = cc.op_seconds(0.05 * seconds)
     file_s = cc.file_seconds(dir, 0.075 * seconds)
-    attn_e, attn_f = cc.attention_pair_seconds(dev, 0.15 * seconds)
+    attn_e, attn_f, attn_by_dim, attn_square, attn_size = cc.attention_figures(dev, 0.25 * seconds)
     attn_call = cc.attention_call_seconds(dev, 0.05 * seconds)
     if dev.type == "cpu":  # a real chunk program's per-op cost (on CUDA: the plain-op figure)
         op_s = cc.program_op_seconds(attn_call, 0.3 * seconds) or op_s
@@ -528,6 +558,9 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         disk_cached_write_bytes_per_s=float(disk_cached_w), disk_cache_bytes=_page_cache_bytes(),
         op_seconds=float(op_s), file_seconds=float(file_s), attention_pair_seconds=float(attn_e),
         attention_pair_dim_seconds=float(attn_f), attention_call_seconds=float(attn_call),
+        attention_by_dim=tuple((int(d), float(t)) for d, t in attn_by_dim),
+        attention_square=tuple((int(c), float(x)) for c, x in attn_square),
+        attention_size=tuple((int(c), float(x)) for c, x in attn_size),
         source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, "
                f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")

@@ -107,6 +107,7 @@ def test_a_failed_grid_run_is_recorded_not_fatal(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "clock-grid.json").read_text())
     assert [r["label"] for r in record["rows"]] == ["tiny T=64", "small T=64"]
     assert all("bench exited 2" in r["error"] for r in record["rows"])
+    assert isinstance(record["profiles"], list)  # the profiles the rows were predicted with
 
 
 def test_a_recompute_runs_the_forward_ops_and_calls_again():
@@ -136,3 +137,95 @@ def test_calibrate_takes_the_op_cost_from_a_real_chunk_program(monkeypatch):
 def test_the_program_op_cost_is_measured():
     from sppo_fx.solver import clock_calibration as cc
     assert 0 < cc.program_op_seconds(0.0, 0.05) < 1e-2
+
+
+# -- attention by head dim, the causal square, and load-proof timing ------------------------
+
+def _attention(cost, lengths, clock):
+    n = len(lengths)
+    return step_terms(cost, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock).attention
+
+
+def test_attention_is_charged_at_the_measured_head_dim_not_the_line():
+    # on a CPU a head dim of 8 costs what 32 does: twice e + 8·f fitted through 16 and 64
+    cost = ChunkCostModel(per_token=1e7, per_pair=1e3, ops=0, attention=((4, 8),))
+    line = dict(attention_pair_seconds=2e-9, attention_pair_dim_seconds=1.5e-10)
+    table = Clock(**line, attention_by_dim=((8, 8e-9), (16, 5e-9), (64, 13e-9)))
+    pairs = T * (T + 1) / 2
+    assert _attention(cost, [T], table) == pytest.approx(pairs * 4 * 8e-9)
+    assert _attention(cost, [T], Clock(**line)) == pytest.approx(pairs * 4 * (2e-9 + 8 * 1.5e-10))
+    # between measured dims: linear; below the first: the first's; above the last: extended
+    assert table.pair_seconds(40) == pytest.approx(9e-9)
+    assert table.pair_seconds(4) == pytest.approx(8e-9)
+    assert table.pair_seconds(128) == pytest.approx(13e-9 + 64 * (8e-9 / 48))
+
+
+def test_a_chunks_causal_square_costs_its_measured_factor():
+    clock = Clock(attention_by_dim=((16, 4e-9),), attention_square=((256, 2.0), (1024, 1.0)))
+    flat = Clock(attention_by_dim=((16, 4e-9),))
+    per = 2 * 4 * 4e-9  # COST: two sites of 4 heads at d = 16
+    for n, factor in ((16, 2.0), (4, 1.5), (2, 1.0)):  # chunks of 256, 1024 (log-midway: 512), 2048
+        c = T // n
+        square = n * c * (c + 1) / 2 * per
+        extra = {16: 1.0, 4: 0.0, 2: 0.0}[n]  # 256-token chunks pay the factor 2; >= 1024 pay 1
+        assert _attention(COST, [c] * n, flat) == pytest.approx(T * (T + 1) / 2 * per)
+        assert _attention(COST, [c] * n, clock) - _attention(COST, [c] * n, flat) == pytest.approx(extra * square)
+    assert clock.square_factor(512) == pytest.approx(1.5)
+    assert clock.square_factor(64) == 2.0 and clock.square_factor(8192) == 1.0
+
+
+def test_short_chunks_pay_their_measured_pair_cost():
+    # a pair in a chunk of 64 queries costs 1.7x one in 256 (an idle CPU), 1024: 0.9x
+    size = ((64, 1.7), (256, 1.0), (1024, 0.9))
+    clock = Clock(attention_by_dim=((16, 4e-9),), attention_size=size)
+    flat = Clock(attention_by_dim=((16, 4e-9),))
+    for c, factor in ((32, 1.7), (64, 1.7), (128, 1.35), (256, 1.0), (1024, 0.9), (4096, 0.9)):
+        n = T // c
+        assert _attention(COST, [c] * n, clock) == pytest.approx(factor * _attention(COST, [c] * n, flat))
+    assert Clock.of(DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, attention_by_dim=((16, 4e-9),),
+                                  attention_size=size)).size_factor(64) == 1.7
+
+
+def test_a_profile_carries_the_attention_tables():
+    prof = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, attention_by_dim=((8, 8e-9), (32, 8e-9)),
+                         attention_square=((256, 1.6), (1024, 1.1)))
+    back = DeviceProfile.from_json(prof.to_json())
+    assert back == prof
+    clock = Clock.of(back)
+    assert clock.attention_by_dim == ((8.0, 8e-9), (32.0, 8e-9)) and clock.square_factor(1024) == 1.1
+    assert "d = 8/32" in prof.table() and "square x1.60/1.10" in prof.table()
+    for field, bad in (("attention_by_dim", ((8, -1e-9),)), ("attention_square", ((256, 0.5),)),
+                       ("attention_by_dim", ((0, 1e-9),)), ("attention_size", ((64, 0.0),))):
+        with pytest.raises(Exception, match=field):
+            DeviceProfile.from_dict(dict(prof.to_dict(), **{field: bad}))
+
+
+def test_the_attention_tables_are_measured():
+    import torch
+    from sppo_fx.solver import clock_calibration as cc
+    e, f, by_dim, square, size = cc.attention_figures(torch.device("cpu"), 0.02)
+    assert [d for d, _ in by_dim] == list(cc.ATTENTION_DIMS) and all(s > 0 for _, s in by_dim)
+    assert [c for c, _ in square] == list(cc.SQUARE_QUERIES) and all(x >= 1 for _, x in square)
+    assert [c for c, _ in size] == list(cc.SIZE_QUERIES) and dict(size)[256] == 1.0 and all(x > 0 for _, x in size)
+    assert e >= 0 and f >= 0
+
+
+def test_compute_is_timed_in_cpu_time_on_one_thread():
+    # a core shared with another process slows a repetition's wall time however many run;
+    # CPU time does not count the time the core was elsewhere (here: asleep)
+    import time
+    import torch
+    from sppo_fx.solver import clock_calibration as cc
+    from sppo_fx.solver.profiles import _timer
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cc._best(lambda: time.sleep(0.02), 2, 0.0, cc.compute_timer()) < 0.01
+        start, stop = _timer(torch.device("cpu"))
+        t0 = start()
+        time.sleep(0.02)
+        assert stop(t0) < 0.01
+        torch.set_num_threads(2)  # several threads' CPU time adds up: wall time then
+        assert cc.compute_timer() is time.perf_counter
+    finally:
+        torch.set_num_threads(threads)
