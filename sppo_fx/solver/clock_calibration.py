@@ -2,11 +2,13 @@
 `profiles.calibrate`: what one op, one disk-tier file and one attention pair cost.
 
 Each figure is the best of interleaved repetitions (`profiles`' approach: transient load
-from other processes slows some repetitions, never speeds one up). Compute figures on a CPU
-with one torch thread are timed in the process's CPU time (`compute_timer`): a repetition
-longer than the scheduler's slice on a core shared with another process is slowed in wall
-time however many repetitions run (attention figures came out 3.4x apart a few minutes
-apart on a loaded 2-core machine), while CPU time stops whenever the core is elsewhere.
+from other processes slows some repetitions, never speeds one up). Compute figures (matmul,
+memcpy, attention) on a CPU with one torch thread are timed in the process's CPU time
+(`compute_timer`): a repetition longer than the scheduler's slice on a core shared with
+another process is slowed in wall time however many repetitions run (attention figures
+came out 3.4x apart a few minutes apart on a loaded 2-core machine), while CPU time stops
+whenever the core is elsewhere. The real programs' per-op probe stays in wall time (their
+hand-offs to the runtime's threads are waits a user's step pays).
 """
 from __future__ import annotations
 
@@ -227,7 +229,10 @@ def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6) -> floa
         runs = {n: sppo_fx.compile(model, chunks=n, compile=False) for n in (1, 4)}
         for run in runs.values():
             run.step(x, y)  # capture and build the programs (not timed)
-        t1, t4, timer = float("inf"), float("inf"), compute_timer()
+        # wall time: a program's step hands work to the runtime's threads and waits, which a
+        # user's step pays on an idle machine and CPU time leaves out (on a loaded one the
+        # CPU-time figure came out 4x under: 6 us, against 26 us of wall time at load 2)
+        t1, t4, timer = float("inf"), float("inf"), time.perf_counter
         t_end, k = time.perf_counter() + budget_s, 0
         while k < 3 or (time.perf_counter() < t_end and k < 50):  # interleaved: load hits both alike
             for n, run in runs.items():
