@@ -1,7 +1,7 @@
 """Measuring the clock's figures (`solver.clock.Clock`) on this machine, for
-`profiles.calibrate`: what one op, one disk-tier file and one attention pair cost.
+`calibration.calibrate`: what one op, one disk-tier file and one attention pair cost.
 
-Each figure is the best of interleaved repetitions (`profiles`' approach: transient load
+Each figure is the best of interleaved repetitions (`calibration`'s approach: transient load
 from other processes slows some repetitions, never speeds one up). Compute figures (matmul,
 memcpy, attention) on a CPU with one torch thread are timed in the process's CPU time
 (`compute_timer`): a repetition longer than the scheduler's slice on a core shared with

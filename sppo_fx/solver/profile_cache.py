@@ -2,7 +2,7 @@
 
 `device_profile(device, dir)` is what a budgeted `sppo_fx.compile` asks for on its first
 call. It returns the profile stored for this machine, device and offload directory, or runs
-`profiles.calibrate` once and stores what it measured, so that later processes skip the
+`calibration.calibrate` once and stores what it measured, so that later processes skip the
 measurement (about a second, more on a busy machine).
 
 Where: `$SPPO_FX_CACHE_DIR/profiles/` (default `$XDG_CACHE_HOME/sppo_fx`, else
@@ -29,7 +29,8 @@ import tempfile
 from sppo_fx.util.disk_cache import cache_root, enabled, private_dir, read_private, write_atomically
 from sppo_fx.util.forked import others_runnable
 from sppo_fx.util.log import get_logger, phase
-from sppo_fx.solver.profiles import DeviceProfile, calibrate
+from sppo_fx.solver.calibration import calibrate
+from sppo_fx.solver.profiles import DeviceProfile
 
 log = get_logger(__name__)
 CALIBRATE_SECONDS = 1.0
@@ -109,7 +110,7 @@ def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | 
     if load is not None:
         profile.source = f"{profile.source}; {load:.1f} other runnable threads on {cores} cores before calibrating"
     if load is not None and str(device).startswith("cpu") and load >= BUSY_LOAD_PER_CORE * cores:
-        # the figures are what a shared CPU does now (profiles.calibrate): they outlive the
+        # the figures are what a shared CPU does now (calibration.calibrate): they outlive the
         # load, so say so where the user looks when predicted step times are far off
         log.warning("calibrated the device profile while the machine was busy (%.1f other runnable threads on "
                     "%d cores): its FLOP rate is low and step-time predictions will be too slow; refresh it on "

@@ -19,7 +19,7 @@ def _profile(device) -> DeviceProfile:
     if isinstance(device, DeviceProfile):
         return device
     if str(device).strip().lower() == "cpu":  # this machine, measured (cached on disk)
-        from sppo_fx.solver.profiles import calibrate
+        from sppo_fx.solver.calibration import calibrate
         return calibrate("cpu", seconds=1.0)
     return get_profile(str(device))
 

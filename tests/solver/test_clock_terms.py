@@ -126,7 +126,7 @@ def test_calibrate_takes_the_op_cost_from_a_real_chunk_program(monkeypatch):
     # a plain-op chain sees a tenth of what an op of a chunk program costs on a CPU
     # (tiny, T = 256, 16 chunks: measured/predicted 7.6 with it, 0.82 with the program's)
     from sppo_fx.solver import clock_calibration as cc
-    from sppo_fx.solver.profiles import calibrate
+    from sppo_fx.solver.calibration import calibrate
     monkeypatch.setattr(cc, "program_op_seconds", lambda call, budget_s: 1.25e-3)
     assert calibrate("cpu", seconds=0.2).op_seconds == 1.25e-3
     monkeypatch.setattr(cc, "program_op_seconds", lambda call, budget_s: None)  # the probe failed
@@ -216,7 +216,7 @@ def test_compute_is_timed_in_cpu_time_on_one_thread():
     import time
     import torch
     from sppo_fx.solver import clock_calibration as cc
-    from sppo_fx.solver.profiles import _timer
+    from sppo_fx.solver.calibration import _timer
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

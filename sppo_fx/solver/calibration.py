@@ -1,0 +1,286 @@
+"""Calibration: the current machine's `DeviceProfile`, measured in a couple of seconds.
+
+`calibrate()` times matmuls at several chunk sizes (the saturating efficiency curve of
+`profiles.py`), copies, the offload directory's disk with and without the page cache, and
+the clock's figures (`clock_calibration.py`). `profile_cache.py` stores the result once
+per machine.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import time
+
+from sppo_fx.errors import SppoError
+from sppo_fx.solver.profiles import MiB, DeviceProfile
+
+def _timer(device):
+    """(start(), stop() -> seconds) measuring device work (CUDA events on CUDA)."""
+    import torch
+
+    if device.type == "cuda":
+        def start():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+
+        def stop(ev):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return ev.elapsed_time(end) / 1e3
+    else:  # CPU time with one thread: a core shared with another process (clock_calibration)
+        from sppo_fx.solver.clock_calibration import compute_timer
+        clock = compute_timer(device)
+
+        def start():
+            return clock()
+
+        def stop(t0):
+            return clock() - t0
+    return start, stop
+
+
+def _repeat(fn, budget_s: float, device, min_reps: int = 2, max_reps: int = 200) -> float:
+    """Best seconds per call of fn() within roughly `budget_s` (after one warm-up call)."""
+    start, stop = _timer(device)
+    fn()
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+    best, spent, reps = float("inf"), 0.0, 0
+    t_end = time.perf_counter() + budget_s
+    while reps < min_reps or (time.perf_counter() < t_end and reps < max_reps):
+        t0 = start()
+        fn()
+        dt = stop(t0)
+        best, spent, reps = min(best, dt), spent + dt, reps + 1
+    return max(best, 1e-9)
+
+
+def _repeat_round_robin(fns, budget_s: float, device, min_rounds: int = 2, max_rounds: int = 500) -> list[float]:
+    """Best seconds per call of each fn, measured in interleaved rounds within ~`budget_s`.
+
+    Interleaving spreads transient contention (other processes) over all the functions
+    instead of penalising whichever ran during it.
+    """
+    start, stop = _timer(device)
+    for fn in fns:
+        fn()
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+    best = [float("inf")] * len(fns)
+    t_end = time.perf_counter() + budget_s
+    rounds = 0
+    while rounds < min_rounds or (time.perf_counter() < t_end and rounds < max_rounds):
+        for i, fn in enumerate(fns):
+            t0 = start()
+            fn()
+            best[i] = min(best[i], stop(t0))
+        rounds += 1
+    return [max(t, 1e-9) for t in best]
+
+
+def _fit_saturating(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit rate(n) = R * n / (n + h) to (n, rate) points; returns (R, h).
+
+    1 / rate = 1/R + (h/R) / n is linear in 1/n: least squares on that line, clamped so that
+    R is at least the best measured rate and h >= 0.
+    """
+    best = max(r for _, r in points)
+    if len(points) < 2:
+        return best, 0.0
+    xs = [1.0 / n for n, _ in points]
+    ys = [1.0 / r for _, r in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    intercept = my - slope * mx
+    if intercept <= 0 or slope < 0:
+        return best, 0.0
+    rate, h = 1.0 / intercept, slope / intercept
+    if rate < best:
+        rate = best
+        # keep the curve through the best point: h from R and that point
+        n_b, r_b = max(points, key=lambda q: q[1])
+        h = max(n_b * (rate / r_b - 1.0), 0.0)
+    return rate, h
+
+
+def _memory_bytes(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text.isdigit():
+                total = min(total, int(text))
+        except OSError:
+            pass
+    return int(total)
+
+
+def _page_cache_bytes() -> int:
+    """Dirty page-cache bytes Linux holds before background writeback starts (0: unknown)."""
+    try:
+        with open("/proc/sys/vm/dirty_background_bytes") as f:
+            fixed = int(f.read().strip() or 0)
+        if fixed:
+            return fixed
+        with open("/proc/sys/vm/dirty_background_ratio") as f:
+            ratio = int(f.read().strip() or 0)
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        return avail * ratio // 100
+    except (OSError, ValueError, StopIteration):
+        return 0
+
+
+def _measure_disk(dir: str | None, nbytes: int) -> tuple[float, float, float]:
+    """(write, read, cached write) bytes/s of a temp file: write + fsync, drop it from the
+    page cache, read; then overwrite it in place without fsync (the page-cache rate)."""
+    fd, path = tempfile.mkstemp(prefix="sppo_calibrate_", dir=dir)
+    try:
+        block = 8 * MiB
+        data = memoryview(os.urandom(block))  # incompressible, written nbytes / block times
+        t0 = time.perf_counter()
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, data[:min(block, left)])
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the cache
+        os.lseek(fd, 0, os.SEEK_SET)
+        t0 = time.perf_counter()
+        got = 0
+        while got < nbytes:
+            chunk = os.read(fd, block)
+            if not chunk:
+                break
+            got += len(chunk)
+        read_s = time.perf_counter() - t0
+        if got != nbytes:
+            raise SppoError(f"calibrate: read back {got} of {nbytes} bytes from {path}")
+        cached_s = float("inf")
+        for _ in range(2):  # the page cache now holds the file: overwrite it, best of two
+            t0 = time.perf_counter()
+            off = 0
+            while off < nbytes:
+                off += os.pwrite(fd, data[:min(block, nbytes - off)], off)
+            cached_s = min(cached_s, time.perf_counter() - t0)
+        return nbytes / max(write_s, 1e-9), nbytes / max(read_s, 1e-9), nbytes / max(cached_s, 1e-9)
+    finally:
+        os.close(fd)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
+              name: str | None = None) -> DeviceProfile:
+    """Measure this machine's profile in about `seconds` seconds.
+
+    Measures (budget split roughly 45% matmul, 25% copies, 30% disk, then
+    about 30% more for the clock's figures, `clock_calibration`, and on a CPU the per-op
+    cost of two tiny real chunk programs, whose capture adds a few seconds once per machine):
+      * matmul FLOP/s of [n, d] x [d, d] for several token counts n (fp32 on CPU, bf16 on
+        CUDA), fitted to rate(n) = flops_per_s * n / (n + n_half);
+      * copy bandwidth: on CPU a memcpy between two buffers (device and host are the same
+        memory, so d2h = h2d = memcpy); on CUDA pinned-host <-> device copies timed with events;
+      * disk write (with fsync) and read (after dropping the file from the page cache with
+        posix_fadvise where available; on tmpfs/overlay this still measures memory) of a
+        temp file in `dir`, removed afterwards; then an overwrite of it without fsync (the
+        page-cache rate the disk tier's pooled files see) and the OS's dirty-page limit;
+      * memory: total device memory (CUDA) or physical RAM capped by the cgroup limit (CPU).
+
+    The figures are what the machine does *now*: on a CPU shared with other busy processes,
+    OpenMP threads get descheduled and matmuls run 5-100x slower for whole seconds (seen on
+    a 2-core test machine: ~200 GFLOP/s idle, 1-35 GFLOP/s while another process used a
+    core), which also inflates `n_half`. Calibrate on an otherwise idle machine, with the
+    thread count training will use (`torch.get_num_threads()`, recorded in `source`).
+
+    Args:
+        device: "cpu" or "cuda[:i]".
+        seconds: total time budget (sizes are small enough that 2 s suffice on 2 cores).
+        dir: directory for the disk test (default: the system temp dir).
+        name: profile name (default "calibrated-<device>").
+
+    Returns:
+        The measured `DeviceProfile`.
+    """
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SppoError("calibrate(device='cuda'): CUDA is not available on this machine; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise SppoError(f"calibrate: unsupported device {device!r}; use 'cpu' or 'cuda'")
+    seconds = max(float(seconds), 0.2)
+    t_start = time.perf_counter()
+
+    # Matmul rate vs tokens.
+    if dev.type == "cuda":
+        dtype, d, token_counts = torch.bfloat16, 4096, [256, 1024, 4096, 8192]
+    else:
+        dtype, d, token_counts = torch.float32, 512, [32, 128, 512, 1024]
+    w = torch.randn(d, d, dtype=dtype, device=dev)
+    xs = [torch.randn(n, d, dtype=dtype, device=dev) for n in token_counts]
+    times = _repeat_round_robin([functools.partial(torch.mm, x, w) for x in xs], 0.45 * seconds, dev)
+    rates = [2.0 * n * d * d / dt for n, dt in zip(token_counts, times)]
+    # The model is monotone in n; a larger chunk can always run as the smaller one did, so
+    # noise (a busy machine) is smoothed with a running maximum before the fit.
+    points = [(n, max(rates[:i + 1])) for i, n in enumerate(token_counts)]
+    del xs, w
+    flops, n_half = _fit_saturating(points)
+
+    # Copy bandwidth.
+    copy_budget = 0.125 * seconds
+    if dev.type == "cuda":
+        nbytes = 256 * MiB
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        devbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        d2h = nbytes / _repeat(lambda: host.copy_(devbuf, non_blocking=True), copy_budget, dev)
+        h2d = nbytes / _repeat(lambda: devbuf.copy_(host, non_blocking=True), copy_budget, dev)
+        del host, devbuf
+    else:
+        nbytes = 64 * MiB
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        h2d = d2h = nbytes / _repeat(lambda: dst.copy_(src), 2 * copy_budget, dev)
+        del src, dst
+
+    # Disk.
+    disk_bytes = 64 * MiB if seconds >= 1.0 else 16 * MiB
+    disk_w, disk_r, disk_cached_w = _measure_disk(dir, disk_bytes)
+
+    # The clock's fixed costs and attention (solver/clock.py).
+    from sppo_fx.solver import clock_calibration as cc
+    op_s = cc.op_seconds(0.05 * seconds)
+    file_s = cc.file_seconds(dir, 0.075 * seconds)
+    attn_e, attn_f, attn_by_dim, attn_square, attn_size = cc.attention_figures(dev, 0.25 * seconds)
+    attn_call = cc.attention_call_seconds(dev, 0.05 * seconds)
+    if dev.type == "cpu":  # a real chunk program's per-op cost (on CUDA: the plain-op figure)
+        op_s = cc.program_op_seconds(attn_call, 0.3 * seconds) or op_s
+
+    elapsed = time.perf_counter() - t_start
+    return DeviceProfile(
+        name=name or f"calibrated-{dev}", flops_per_s=float(flops), d2h_bytes_per_s=float(d2h),
+        h2d_bytes_per_s=float(h2d), disk_write_bytes_per_s=float(disk_w),
+        disk_read_bytes_per_s=float(disk_r), memory_bytes=_memory_bytes(dev), n_half=round(float(n_half), 1),
+        disk_cached_write_bytes_per_s=float(disk_cached_w), disk_cache_bytes=_page_cache_bytes(),
+        op_seconds=float(op_s), file_seconds=float(file_s), attention_pair_seconds=float(attn_e),
+        attention_pair_dim_seconds=float(attn_f), attention_call_seconds=float(attn_call),
+        attention_by_dim=tuple((int(d), float(t)) for d, t in attn_by_dim),
+        attention_square=tuple((int(c), float(x)) for c, x in attn_square),
+        attention_size=tuple((int(c), float(x)) for c, x in attn_size),
+        source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
+               f"{torch.get_num_threads()} threads, "
+               f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")
