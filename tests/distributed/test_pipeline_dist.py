@@ -83,10 +83,15 @@ CASES = [
     ("gpt", 4, 4, "4", 2, "1f1b"),
     ("llama", 4, 4, "2", 1, "1f1b"),
     ("llama", 2, 2, "auto", 2, "1f1b"),  # the pipeline solver picks N and the lengths
-    ("llama", 2, 4, "4", 2, "1f1b+disk"),  # OFF/PRE/WAIT actions, activations on disk
+    ("llama", 2, 2, "4", 2, "1f1b+disk"),  # OFF/PRE/WAIT actions, activations on disk (a layer a stage)
     # gpipe with offload actions is checked by tests/schedule/test_schedule.py's validator and
     # simulator; per-rank budget plans run in tests/distributed/test_pipeline_budget.py
 ]
+
+
+# the last rank perturbs its chunking (--plan-seed): every rank refuses before a step
+PLAN_DISAGREE = ["--model", "gpt", "--layers", "2", "--seq-len", "16", "--chunks", "2", "--microbatches", "1",
+                 "--plan-seed", "1", "--timeout", "30"]
 
 
 def _case(model, stages, layers, chunks, microbatches, schedule):
@@ -117,6 +122,7 @@ def case_runs(tmp_path_factory):
     each case dumps under its own directory."""
     base = tmp_path_factory.mktemp("pipeline_cases")
     cases = {_key(c): (c[1], [*_case(*c)[2], "--dump", str(base / _key(c))]) for c in CASES}
+    cases["plan_disagree"] = (2, PLAN_DISAGREE)  # last: it stops both ranks at the same check
     launches = CaseLaunches(cases, timeout=400.0)
     launches.base = base
     return launches
@@ -153,12 +159,13 @@ def test_pipeline_matches_eager(case_runs, model, stages, layers, chunks, microb
                              microbatches)
 
 
-def test_ranks_that_disagree_on_the_plan_fail_at_start(tmp_path):
-    results = launch(2, ["--model", "gpt", "--layers", "2", "--seq-len", "16", "--chunks", "2",
-                         "--microbatches", "1", "--plan-seed", "1", "--timeout", "30"], timeout=120)
-    for code, _, err, _ in results:
-        assert code != 0
-        assert "ranks disagree on plan (chunk lengths)" in err, err[-3000:]
+@pytest.mark.xdist_group("pipeline_dist_cases")
+def test_ranks_that_disagree_on_the_plan_fail_at_start(case_runs):
+    for rank, got in enumerate(case_runs.results_of("plan_disagree")):
+        err = got["error"]
+        assert err is not None and err.startswith("SppoError"), (rank, err)
+        assert "ranks disagree on plan (chunk lengths)" in err, (rank, err)
+        assert "step 0" not in got["stdout"]
 
 
 DISAGREEMENTS = {  # scenario of tests/helpers/pipeline_disagreement_worker.py -> what the error names
