@@ -186,6 +186,23 @@ def pytest_collection_modifyitems(config, items):
     # tests out early, rather than one worker finishing a long test alone at the end.
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
+    _group_xdist_items(config, items)
+
+
+def _group_xdist_items(config, items):
+    """`--dist loadgroup`: give each test marked `xdist_group(name)` the node id suffix
+    `@name`, by which the controller sends a group to one worker. pytest-xdist 3.8 sets the
+    old `item._nodeid`, which pytest 9 no longer reads (a node id is `item._id`), so its
+    groups were split over the workers, and a module fixture meant to launch ranks once
+    launched them on each worker."""
+    if not config.getvalue("loadgroup"):
+        return
+    from _pytest.nodeid import NodeId
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid.rpartition("]")[2]:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 @pytest.fixture
