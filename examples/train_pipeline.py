@@ -54,7 +54,7 @@ def _inject_failure(at: str, how: str):
     setattr(local.StageRunner, at, fail)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["gpt", "llama"], default="llama")
     p.add_argument("--size", default="tiny")
@@ -87,11 +87,12 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=None, help="(llama) K/V heads (grouped-query attention)")
     p.add_argument("--ignore-every", type=int, default=0,
                    help="(test) set every k-th target to the model's ignore_index")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    # the process group's own timeout covers start-up (every rank traces and compiles, at its
-    # own pace); a step's waits for peers use --timeout (compile's timeout_s)
-    rank, world = init_from_env(max(args.timeout, 120.0))
+
+def train(args: argparse.Namespace, rank: int, world: int) -> None:
+    """Build the model and data, run the steps, write --dump: one run on an initialised
+    process group of `world` ranks (the tests run several on one group)."""
     torch.manual_seed(args.seed)
     layer_key = "n_layer" if args.model == "gpt" else "n_layers"
     overrides = {layer_key: args.layers}
@@ -154,6 +155,14 @@ def main(argv=None) -> int:
                     "chunk_ops": sorted({str(n.target) for n in compiled.graphs["chunk"].graph.nodes
                                          if n.op == "call_function"})},
                    os.path.join(args.dump, f"rank{rank}.pt"))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # the process group's own timeout covers start-up (every rank traces and compiles, at its
+    # own pace); a step's waits for peers use --timeout (compile's timeout_s)
+    rank, world = init_from_env(max(args.timeout, 120.0))
+    train(args, rank, world)
     torch.distributed.destroy_process_group()
     return 0
 

@@ -11,6 +11,8 @@ import torch
 from sppo_fx.models import build
 from sppo_fx.runtime.launch import run_local_ranks, start_local_ranks
 
+from pipeline_cases import CaseLaunches  # tests/helpers
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,15 +83,20 @@ CASES = [
     ("gpt", 4, 4, "4", 2, "1f1b"),
     ("llama", 4, 4, "2", 1, "1f1b"),
     ("llama", 2, 2, "auto", 2, "1f1b"),  # the pipeline solver picks N and the lengths
-    ("llama", 2, 4, "4", 2, "1f1b+disk"),  # OFF/PRE/WAIT actions, activations on disk
+    ("llama", 2, 2, "4", 2, "1f1b+disk"),  # OFF/PRE/WAIT actions, activations on disk (a layer a stage)
     # gpipe with offload actions is checked by tests/schedule/test_schedule.py's validator and
     # simulator; per-rank budget plans run in tests/distributed/test_pipeline_budget.py
 ]
 
 
-@pytest.mark.parametrize("model,stages,layers,chunks,microbatches,schedule", CASES)
-def test_pipeline_matches_eager(tmp_path, model, stages, layers, chunks, microbatches, schedule):
-    seq_len, batch, width = 32, 2, None
+# the last rank perturbs its chunking (--plan-seed): every rank refuses before a step
+PLAN_DISAGREE = ["--model", "gpt", "--layers", "2", "--seq-len", "16", "--chunks", "2", "--microbatches", "1",
+                 "--plan-seed", "1", "--timeout", "30"]
+
+
+def _case(model, stages, layers, chunks, microbatches, schedule):
+    """(seq_len, width, the example's arguments but --dump) of a case."""
+    seq_len, width = 32, None
     if chunks == "auto":
         seq_len = 64  # chunk counts 1, 2 and 4 to choose from
     chunk_args = ["--chunk-lengths", chunks] if "," in chunks else ["--chunks", chunks]
@@ -101,11 +108,35 @@ def test_pipeline_matches_eager(tmp_path, model, stages, layers, chunks, microba
             # 256 tokens of width 256 make 64-86-token chunks whose hidden states pass it
             seq_len, width = 256, 256
             chunk_args += ["--width", str(width)]
-    results = launch(stages, ["--model", model, "--layers", str(layers), "--seq-len", str(seq_len),
-                              "--batch", str(batch), "--microbatches", str(microbatches),
-                              "--schedule", schedule, "--dump", str(tmp_path), *chunk_args])
-    for rank, (code, out, err, _) in enumerate(results):
-        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return seq_len, width, ["--model", model, "--layers", str(layers), "--seq-len", str(seq_len), "--batch", "2",
+                            "--microbatches", str(microbatches), "--schedule", schedule, *chunk_args]
+
+
+def _key(case) -> str:
+    return "-".join(map(str, case))
+
+
+@pytest.fixture(scope="module")
+def case_runs(tmp_path_factory):
+    """Every case of CASES, the cases of one world size in one launch (tests/helpers/pipeline_cases.py):
+    each case dumps under its own directory."""
+    base = tmp_path_factory.mktemp("pipeline_cases")
+    cases = {_key(c): (c[1], [*_case(*c)[2], "--dump", str(base / _key(c))]) for c in CASES}
+    cases["plan_disagree"] = (2, PLAN_DISAGREE)  # last: it stops both ranks at the same check
+    launches = CaseLaunches(cases, timeout=400.0)
+    launches.base = base
+    return launches
+
+
+# one worker launches all of them (each world size once)
+@pytest.mark.xdist_group("pipeline_dist_cases")
+@pytest.mark.parametrize("model,stages,layers,chunks,microbatches,schedule", CASES)
+def test_pipeline_matches_eager(case_runs, model, stages, layers, chunks, microbatches, schedule):
+    case = (model, stages, layers, chunks, microbatches, schedule)
+    seq_len, width, args = _case(*case)
+    batch = 2
+    case_runs.check(_key(case))
+    tmp_path = case_runs.base / _key(case)
     ref_loss, ref_grads = _reference(model, layers, seq_len, batch, microbatches, width=width)
     dumps = [torch.load(tmp_path / f"rank{r}.pt") for r in range(stages)]
     seen = set()
@@ -118,7 +149,7 @@ def test_pipeline_matches_eager(tmp_path, model, stages, layers, chunks, microba
     assert seen == set(ref_grads), f"no rank holds gradients for {set(ref_grads) - seen}"
     # each rank holds only its own stage's parameters (plus tied ones)
     assert all(len(d["grads"]) < len(ref_grads) for d in dumps)
-    if "--offload" in chunk_args:  # every rank's store held activations, and gave all of them back
+    if "--offload" in args:  # every rank's store held activations, and gave all of them back
         for r, d in enumerate(dumps):
             assert d["store"]["peak_bytes_offloaded"] > 0, f"rank {r} offloaded nothing: {d['store']}"
             assert d["store"]["bytes_offloaded"] == 0, f"rank {r} left activations in its store: {d['store']}"
@@ -128,12 +159,13 @@ def test_pipeline_matches_eager(tmp_path, model, stages, layers, chunks, microba
                              microbatches)
 
 
-def test_ranks_that_disagree_on_the_plan_fail_at_start(tmp_path):
-    results = launch(2, ["--model", "gpt", "--layers", "2", "--seq-len", "16", "--chunks", "2",
-                         "--microbatches", "1", "--plan-seed", "1", "--timeout", "30"], timeout=120)
-    for code, _, err, _ in results:
-        assert code != 0
-        assert "ranks disagree on plan (chunk lengths)" in err, err[-3000:]
+@pytest.mark.xdist_group("pipeline_dist_cases")
+def test_ranks_that_disagree_on_the_plan_fail_at_start(case_runs):
+    for rank, got in enumerate(case_runs.results_of("plan_disagree")):
+        err = got["error"]
+        assert err is not None and err.startswith("SppoError"), (rank, err)
+        assert "ranks disagree on plan (chunk lengths)" in err, (rank, err)
+        assert "step 0" not in got["stdout"]
 
 
 DISAGREEMENTS = {  # scenario of tests/helpers/pipeline_disagreement_worker.py -> what the error names

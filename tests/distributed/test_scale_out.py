@@ -15,6 +15,8 @@ import torch
 from sppo_fx.models import build
 from sppo_fx.runtime.launch import run_local_ranks
 
+from pipeline_cases import CaseLaunches  # tests/helpers
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,66 +48,102 @@ def _eager(kind, layers, seq_len, batch, microbatches, ignore_every=0, kv_heads=
     return total, {n: p.grad for n, p in model.named_parameters()}
 
 
-def _check_exact(tmp_path, nprocs, kind, args, seq_len=32, batch=2, microbatches=1, layers=2, ignore_every=0,
-                 kv_heads=None):
-    dump = str(tmp_path / "dump")
+# case -> (ranks, model, the example's arguments, the reference's keywords); the cases of one
+# world size run in one launch (tests/helpers/pipeline_cases.py), each dumping under its name
+EXACT = {
+    # 1 × 1 × 2; the first chunk's 9 tokens split 5 / 4; a third of the targets ignored
+    "sp2_gpt": (2, "gpt", ["--seq-parallel", "2", "--chunk-lengths", "9,23"], dict(ignore_every=3)),
+    # 1 × 1 × 4, grouped-query attention with 2 K/V heads: each is repeated twice
+    "sp4_llama_kv2": (4, "llama", ["--seq-parallel", "4", "--chunks", "2"], dict(kv_heads=2)),
+    # 2 × 1 × 2: the bubble-adjacent chunks are cut finer and split unevenly over the SP ranks
+    "pp2_sp2_plan": (4, "llama", ["--plan", "{plan}"], dict(batch=2, microbatches=2)),
+    # 2 × 2 × 1: each replica takes half of every micro-batch; tied embeddings across stages
+    "pp2_dp2_gpt": (4, "gpt", ["--data-parallel", "2", "--chunks", "2"], dict(batch=4, microbatches=2)),
+    # 1 × 2 × 2 given as a DeviceMesh: replicas hold different numbers of counted tokens
+    "dp2_sp2_mesh": (4, "llama", ["--data-parallel", "2", "--seq-parallel", "2", "--chunks", "2", "--device-mesh"],
+                     dict(ignore_every=5)),
+}
+MUX_PLAN = {"layout": {"pp": 2, "dp": 1, "sp": 2},
+            "plan": {"seq_len": 32, "chunk_lengths": [4, 12, 12, 4], "sp_splits": [[1, 3], [6, 6], [7, 5], [3, 1]]}}
+# refused before a step: on the 2-rank launch after the exact case (every rank raises at the same point)
+TOO_FEW = ["--seq-parallel", "2", "--chunk-lengths", "1,63", "--layers", "1"]
+
+
+def _argv(kind, args, seq_len=32, batch=2, microbatches=1, layers=2, ignore_every=0, kv_heads=None):
     extra = ["--ignore-every", str(ignore_every)] if ignore_every else []
     if kv_heads:
         extra += ["--kv-heads", str(kv_heads)]
-    results = _launch(nprocs, ["--model", kind, "--layers", str(layers), "--seq-len", str(seq_len), "--batch",
-                               str(batch), "--microbatches", str(microbatches), "--dump", dump, *extra, *args])
-    for rank, (rc, _out, err) in enumerate(results):
-        assert rc == 0, f"rank {rank}:\n{err[-4000:]}"
-    loss, grads = _eager(kind, layers, seq_len, batch, microbatches, ignore_every, kv_heads)
+    return ["--model", kind, "--layers", str(layers), "--seq-len", str(seq_len), "--batch", str(batch),
+            "--microbatches", str(microbatches), *extra, *args]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("scale_out")
+    plan = base / "plan.json"
+    plan.write_text(json.dumps(MUX_PLAN))
+    cases = {name: (n, [a.format(plan=plan) for a in _argv(kind, args, **kw)] + ["--dump", str(base / name)])
+             for name, (n, kind, args, kw) in EXACT.items()}
+    cases["too_few"] = (2, TOO_FEW)
+    launches = CaseLaunches(cases, timeout=400.0)
+    launches.base = base
+    return launches
+
+
+def _check_exact(runs, name):
+    nprocs, kind, _args, kw = EXACT[name]
+    runs.check(name)
+    kw = dict(dict(seq_len=32, batch=2, microbatches=1, layers=2, ignore_every=0, kv_heads=None), **kw)
+    loss, grads = _eager(kind, kw["layers"], kw["seq_len"], kw["batch"], kw["microbatches"], kw["ignore_every"],
+                         kw["kv_heads"])
     covered = set()
     for rank in range(nprocs):
-        got = torch.load(os.path.join(dump, f"rank{rank}.pt"))
+        got = torch.load(runs.base / name / f"rank{rank}.pt")
         torch.testing.assert_close(got["loss"], loss, rtol=1e-5, atol=1e-6)
-        for name, g in got["grads"].items():
-            torch.testing.assert_close(g, grads[name], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
-            covered.add(name)
+        for pname, g in got["grads"].items():
+            torch.testing.assert_close(g, grads[pname], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {pname}")
+            covered.add(pname)
     assert covered == {n for n, g in grads.items() if g is not None}  # every parameter on some rank
-    return results
 
 
-def test_seq_parallel_2_gpt_uneven_chunk_and_ignored_targets(tmp_path):
-    # 1 × 1 × 2; the first chunk's 9 tokens split 5 / 4; a third of the targets ignored
-    _check_exact(tmp_path, 2, "gpt", ["--seq-parallel", "2", "--chunk-lengths", "9,23"], ignore_every=3)
-    ops = torch.load(tmp_path / "dump" / "rank0.pt")["chunk_ops"]  # compiled.graphs["chunk"]: this rank's
+# one worker runs the launches these share
+_cases = pytest.mark.xdist_group("scale_out_cases")
+
+
+@_cases
+def test_seq_parallel_2_gpt_uneven_chunk_and_ignored_targets(runs):
+    _check_exact(runs, "sp2_gpt")
+    ops = torch.load(runs.base / "sp2_gpt" / "rank0.pt")["chunk_ops"]  # compiled.graphs["chunk"]: this rank's
     assert "sppo.seq_to_heads.default" in ops and "sppo.heads_to_seq.default" in ops
 
 
-def test_seq_parallel_4_llama_more_ranks_than_kv_heads(tmp_path):
-    # 1 × 1 × 4, grouped-query attention with 2 K/V heads: each is repeated twice
-    _check_exact(tmp_path, 4, "llama", ["--seq-parallel", "4", "--chunks", "2"], kv_heads=2)
+@_cases
+def test_seq_parallel_4_llama_more_ranks_than_kv_heads(runs):
+    _check_exact(runs, "sp4_llama_kv2")
 
 
-def test_pipeline_and_seq_parallel_run_a_multiplexed_plan(tmp_path):
-    # 2 × 1 × 2: the bubble-adjacent chunks are cut finer and split unevenly over the SP ranks
-    plan = {"layout": {"pp": 2, "dp": 1, "sp": 2},
-            "plan": {"seq_len": 32, "chunk_lengths": [4, 12, 12, 4], "sp_splits": [[1, 3], [6, 6], [7, 5], [3, 1]]}}
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan))
-    results = _check_exact(tmp_path, 4, "llama", ["--plan", str(path)], batch=2, microbatches=2)
-    assert "loss" in results[0][1]
+@_cases
+def test_pipeline_and_seq_parallel_run_a_multiplexed_plan(runs):
+    _check_exact(runs, "pp2_sp2_plan")
+    assert "loss" in runs.results_of("pp2_sp2_plan")[0]["stdout"]
 
 
-def test_pipeline_and_data_parallel_gpt(tmp_path):
-    # 2 × 2 × 1: each replica takes half of every micro-batch; tied embeddings across stages
-    _check_exact(tmp_path, 4, "gpt", ["--data-parallel", "2", "--chunks", "2"], batch=4, microbatches=2)
+@_cases
+def test_pipeline_and_data_parallel_gpt(runs):
+    _check_exact(runs, "pp2_dp2_gpt")
 
 
-def test_data_and_seq_parallel_normalise_by_the_global_token_count(tmp_path):
-    # 1 × 2 × 2 given as a DeviceMesh: replicas hold different numbers of counted tokens
-    _check_exact(tmp_path, 4, "llama", ["--data-parallel", "2", "--seq-parallel", "2", "--chunks", "2",
-                                        "--device-mesh"], ignore_every=5)
+@_cases
+def test_data_and_seq_parallel_normalise_by_the_global_token_count(runs):
+    _check_exact(runs, "dp2_sp2_mesh")
 
 
-def test_chunk_with_fewer_tokens_than_seq_parallel_fails_before_a_step(tmp_path):
-    results = _launch(2, ["--seq-parallel", "2", "--chunk-lengths", "1,63", "--layers", "1"], timeout=200)
-    for rc, out, err in results:
-        assert rc != 0 and "step 0" not in out
-        assert "fewer than seq_parallel=2" in err, err[-2000:]
+@_cases
+def test_chunk_with_fewer_tokens_than_seq_parallel_fails_before_a_step(runs):
+    for rank, got in enumerate(runs.results_of("too_few")):
+        err = got["error"]
+        assert err is not None and err.startswith("SppoError") and "fewer than seq_parallel=2" in err, (rank, err)
+        assert "step 0" not in got["stdout"]
 
 
 @pytest.mark.parametrize("layout,fail_rank,how", [(["--seq-parallel", "2"], 1, "raise"),
