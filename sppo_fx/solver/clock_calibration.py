@@ -67,6 +67,31 @@ def op_seconds(budget_s: float = 0.1) -> float:
     return _best(run, 3, budget_s, compute_timer()) / (3 * ops)
 
 
+def elementwise_bytes_per_s(device, budget_s: float = 0.15, tokens: int = 1024, width: int = 512) -> float:
+    """Bandwidth of the element-wise term (`Clock.elementwise_bytes_per_s`): a chain of
+    pointwise ops as a norm or an MLP gate runs them (mul by a broadcast weight, add,
+    silu) on [tokens, width] tensors of chunk size, forward and backward through autograd,
+    each op allocating its output as a program's do (so the process's allocator settings,
+    e.g. `MALLOC_MMAP_THRESHOLD_`, count as they will in the steps). Returned per byte of
+    the forward's reads and writes, times the clock's 1 + `ELEMENTWISE_BACKWARD` passes:
+    seconds = forward bytes x 3 / this rate is what the chain's forward + backward took."""
+    import torch
+    from sppo_fx.solver.clock import ELEMENTWISE_BACKWARD
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(width, device=device, dtype=dtype, requires_grad=True)
+    forward_bytes = 7 * x.numel() * x.element_size()  # mul: 2 passes, add: 3, silu: 2
+
+    def run():
+        y = torch.nn.functional.silu(x * w + x)
+        y.backward(torch.ones_like(y))
+        x.grad = w.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    seconds = _best(run, 3, budget_s, compute_timer(device))
+    return (1 + ELEMENTWISE_BACKWARD) * forward_bytes / max(seconds, 1e-12)
+
+
 def file_seconds(dir: str | None = None, budget_s: float = 0.15, files: int = 32) -> float:
     """Fixed cost of one file the disk tier writes and reads back: create, write, close;
     then open, read, close, remove; each handed to a background thread and waited for, as
