@@ -303,3 +303,23 @@ def test_more_elementwise_ops_per_token_give_more_bytes():
     # the matmul is not element-wise work: the same FLOPs, and the bytes scale with the batch
     assert one.per_token == three.per_token
     assert one.scaled(0.5).elementwise_bytes == pytest.approx(128)
+
+
+def test_the_chunk_programs_cost_has_the_elementwise_bytes():
+    import torch
+    from sppo_fx.capture import capture
+    from sppo_fx.models import build
+    from sppo_fx.passes import cost as cost_model
+    from sppo_fx.passes import transform
+    from sppo_fx.solver.partition import cost_model_from_graph
+    model = build("llama", "tiny")
+    x = torch.randint(0, 97, (1, 32))
+    cap = capture(model, None, None, (x, x), {}, None, 1)
+    graph, program = transform(cap)
+    cc = cost_model.chunk_cost(program, cap.seq, first_chunk=False)
+    at = [cc.evaluate(c=n, p=64)["elementwise_bytes"] for n in (64, 128)]
+    per_token = (at[1] - at[0]) / 64
+    # the chunk program's per-token bytes are the captured graph's (within what the chunk
+    # pass adds around attention)
+    whole = cost_model_from_graph(graph, cap.seq).elementwise_bytes
+    assert whole > 0 and 0.8 * whole < per_token < 1.5 * whole
