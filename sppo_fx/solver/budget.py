@@ -80,7 +80,7 @@ from sppo_fx.passes import cost as cost_model
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
 from sppo_fx.plan import Plan
 from sppo_fx.util.skeleton_rows import blocks_read, chunk_copy_rows, keeps_no_buffer, kept_first, window_firsts
-from sppo_fx.solver.clock import Clock, StepTerms, attention_seconds, overhead_seconds
+from sppo_fx.solver.clock import ELEMENTWISE_BACKWARD, Clock, StepTerms, attention_seconds, overhead_seconds
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
 from sppo_fx.util.units import mib_below_and_above, parse_bytes
 
@@ -325,7 +325,8 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
                skeleton_reads=None, copies_share_compute: bool = False, cache=None, clock=None,
                tensors: int = 0, skeleton_blocks=None) -> StepTerms:
     """The step's predicted seconds by term (`solver.clock`): compute, attention (by the
-    calibrated pair cost where `clock` has one, else inside compute's FLOPs), exposed copy,
+    calibrated pair cost where `clock` has one, else inside compute's FLOPs), element-wise
+    (bytes per token at the clock's element-wise bandwidth), exposed copy,
     overheads (`clock`'s per-op and per-file costs; `tensors`: saved tensors a chunk
     offloads, one file each; `skeleton_blocks`: blocks each chunk streams per site and pass,
     times sites, two files each)."""
@@ -342,6 +343,8 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
         if attn is not None:
             terms.attention += attn * (1 + recompute_fraction / (1 + cost.backward_factor))
             f += attn / (1 + cost.backward_factor)  # the forward's share (backward: about twice)
+        terms.elementwise += clock.elementwise_seconds(cost, c, recompute_fraction)
+        f += clock.elementwise_seconds(cost, c) / (1 + ELEMENTWISE_BACKWARD)  # the forward's share
         fwd.append(f)
     files = sum(2 * tensors for a in ratios if a > 0)  # written, then read back
     reads_n = 2 * sum(skeleton_blocks or ())  # forward and backward

@@ -199,7 +199,9 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         posix_fadvise where available; on tmpfs/overlay this still measures memory) of a
         temp file in `dir`, removed afterwards; then an overwrite of it without fsync (the
         page-cache rate the disk tier's pooled files see) and the OS's dirty-page limit;
-      * memory: total device memory (CUDA) or physical RAM capped by the cgroup limit (CPU).
+      * memory: total device memory (CUDA) or physical RAM capped by the cgroup limit (CPU);
+      * the element-wise bandwidth: a mul/add/silu chain on [1024, 512] tensors, forward
+        and backward (`clock_calibration.elementwise_bytes_per_s`).
 
     The figures are what the machine does *now*: on a CPU shared with other busy processes,
     OpenMP threads get descheduled and matmuls run 5-100x slower for whole seconds (seen on
@@ -267,6 +269,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     file_s = cc.file_seconds(dir, 0.075 * seconds)
     attn_e, attn_f, attn_by_dim, attn_square, attn_size = cc.attention_figures(dev, 0.25 * seconds)
     attn_call = cc.attention_call_seconds(dev, 0.05 * seconds)
+    elementwise_bw = cc.elementwise_bytes_per_s(dev, 0.075 * seconds)
     if dev.type == "cpu":  # a real chunk program's per-op cost (on CUDA: the plain-op figure)
         op_s = cc.program_op_seconds(attn_call, 0.3 * seconds) or op_s
 
@@ -281,6 +284,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         attention_by_dim=tuple((int(d), float(t)) for d, t in attn_by_dim),
         attention_square=tuple((int(c), float(x)) for c, x in attn_square),
         attention_size=tuple((int(c), float(x)) for c, x in attn_size),
+        elementwise_bytes_per_s=float(elementwise_bw),
         source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, "
                f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")

@@ -1,6 +1,6 @@
 """The single-stage solver's clock: predicted step time of a chunk plan, split into terms.
 
-    step = compute + attention + exposed copy + overheads
+    step = compute + attention + element-wise + exposed copy + overheads
 
     compute      matmul FLOPs outside attention at the profile's rate and chunk efficiency
                  (`DeviceProfile.compute_seconds`), forward x (1 + backward factor + recompute)
@@ -12,6 +12,10 @@
                  diagonal's tiles whole); a chunk of c queries pays `attention_size` (by c)
                  times the table's per-pair figure (short chunks dearer per pair); where
                  the profile has no such figure, attention FLOPs at the matmul rate instead
+    element-wise bytes the memory-bound ops (pointwise, norms, reductions, copies, `cat`)
+                 read and write per token (`ChunkCostModel.elementwise_bytes`, forward) at the
+                 calibrated element-wise bandwidth (`elementwise_bytes_per_s`), forward x
+                 (1 + `ELEMENTWISE_BACKWARD` + 1 when a recompute policy replays them)
     exposed copy offload writes and reads, and a streamed skeleton's reads, that do not hide
                  behind compute (on a CPU-only machine nothing hides: the copies run on the
                  compute's cores, at the page cache's rate up to its size, the disk's beyond)
@@ -39,6 +43,11 @@ import math
 #: ops an attention call on one streamed block runs (attention, lse merge), forward + backward
 BLOCK_OPS = 8
 
+#: backward bytes of the element-wise ops over their forward's: a pointwise op's backward
+#: reads the output gradient and its saved inputs and writes an input gradient (mul: 2
+#: reads, 2 writes per side), and gradients of a broadcast or reused value are summed.
+ELEMENTWISE_BACKWARD = 2.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Clock:
@@ -61,6 +70,8 @@ class Clock:
         attention_size: ((chunk length c, factor), ...): a pair's seconds at c queries over
             the table's (measured at 256 queries), interpolated in log c, held beyond (():
             1).
+        elementwise_bytes_per_s: bytes/s of a chain of element-wise ops on chunk-sized
+            tensors (0: the element-wise term is left out).
     """
 
     op_seconds: float = 0.0
@@ -72,6 +83,7 @@ class Clock:
     attention_by_dim: tuple = ()
     attention_square: tuple = ()
     attention_size: tuple = ()
+    elementwise_bytes_per_s: float = 0.0
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -82,7 +94,19 @@ class Clock:
                    get("attention_pair_dim_seconds"), get("compiled_speedup", 1.0) if compiled else 1.0,
                    get("attention_call_seconds"),
                    tuple(sorted((float(d), float(sec)) for d, sec in (getattr(profile, "attention_by_dim", ()) or ()))),
-                   _table(profile, "attention_square"), _table(profile, "attention_size"))
+                   _table(profile, "attention_square"), _table(profile, "attention_size"),
+                   get("elementwise_bytes_per_s"))
+
+    def elementwise_seconds(self, cost, tokens: float, recompute_fraction: float = 0.0) -> float:
+        """Seconds of the element-wise ops of `tokens` tokens, forward and backward; a
+        recompute policy (any `recompute_fraction` > 0: "cheap" replays the element-wise
+        ops, "full" everything) runs their forward once more. 0 without a bandwidth."""
+        bw = self.elementwise_bytes_per_s
+        per_token = getattr(cost, "elementwise_bytes", 0.0)
+        if not bw or not per_token:
+            return 0.0
+        passes = 1 + ELEMENTWISE_BACKWARD + (1 if recompute_fraction > 0 else 0)
+        return per_token * tokens * passes / bw / max(self.compiled_speedup, 1e-9)
 
     def pair_seconds(self, d: float) -> float:
         """Forward + backward seconds of one (query, key) pair of one head at head dim d:
@@ -135,14 +159,16 @@ class StepTerms:
     attention: float = 0.0
     exposed_copy: float = 0.0
     overhead: float = 0.0
+    elementwise: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.attention + self.exposed_copy + self.overhead
+        return self.compute + self.attention + self.elementwise + self.exposed_copy + self.overhead
 
     def describe(self) -> str:
-        return (f"compute {self.compute:.3g} s + attention {self.attention:.3g} s + exposed copy "
-                f"{self.exposed_copy:.3g} s + overheads {self.overhead:.3g} s")
+        return (f"compute {self.compute:.3g} s + attention {self.attention:.3g} s + element-wise "
+                f"{self.elementwise:.3g} s + exposed copy {self.exposed_copy:.3g} s + overheads "
+                f"{self.overhead:.3g} s")
 
 
 def pairs(c: int, t: int) -> float:

@@ -67,6 +67,35 @@ def op_seconds(budget_s: float = 0.1) -> float:
     return _best(run, 3, budget_s, compute_timer()) / (3 * ops)
 
 
+def elementwise_bytes_per_s(device, budget_s: float = 0.15, tokens: int = 1024, width: int = 512) -> float:
+    """Bandwidth of the element-wise term (`Clock.elementwise_bytes_per_s`): the pointwise
+    ops of an RMSNorm (pow, mean, rsqrt, two broadcast muls) and of an MLP gate (mul by a
+    broadcast weight, add, silu) on [tokens, width] tensors of chunk size, forward and
+    backward through autograd,
+    each op allocating its output as a program's do (so the process's allocator settings,
+    e.g. `MALLOC_MMAP_THRESHOLD_`, count as they will in the steps). Returned per byte of
+    the forward's reads and writes, times the clock's 1 + `ELEMENTWISE_BACKWARD` passes:
+    seconds = forward bytes x 3 / this rate is what the chain's forward + backward took."""
+    import torch
+    from sppo_fx.solver.clock import ELEMENTWISE_BACKWARD
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(width, device=device, dtype=dtype, requires_grad=True)
+    # gate: mul 2 passes, add 3, silu 2; norm: pow 2, mean 1, the muls 2 each ([n, 1] ones
+    # are small): 14 passes of [tokens, width], as `passes.cost.elementwise_bytes` counts them
+    forward_bytes = 14 * x.numel() * x.element_size()
+
+    def run():
+        gate = torch.nn.functional.silu(x * w + x)
+        norm = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+        torch.autograd.backward((gate, norm), (torch.ones_like(gate), torch.ones_like(norm)))
+        x.grad = w.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    seconds = _best(run, 3, budget_s, compute_timer(device))
+    return (1 + ELEMENTWISE_BACKWARD) * forward_bytes / max(seconds, 1e-12)
+
+
 def file_seconds(dir: str | None = None, budget_s: float = 0.15, files: int = 32) -> float:
     """Fixed cost of one file the disk tier writes and reads back: create, write, close;
     then open, read, close, remove; each handed to a background thread and waited for, as

@@ -40,6 +40,9 @@ class ChunkCostModel:
         backward_factor: backward FLOPs / forward FLOPs.
         ops: ops of one chunk's forward (the clock's per-op overhead, `solver.clock`).
         attention: per attention site (batch x heads, head dim): the clock's pair cost.
+        elementwise_bytes: bytes per token the forward's memory-bound ops (pointwise,
+            norms, reductions, copies; not matmuls or attention) read and write: the
+            clock's element-wise term (`solver.clock`).
     """
 
     per_token: float
@@ -47,6 +50,7 @@ class ChunkCostModel:
     backward_factor: float = 2.0
     ops: int = 0
     attention: tuple = ()
+    elementwise_bytes: float = 0.0
 
     def forward_flops(self, length: int, start: int) -> float:
         return self.per_token * length + self.per_pair * length * (start + (length + 1) / 2)
@@ -57,17 +61,21 @@ class ChunkCostModel:
 
     def scaled(self, factor: float) -> "ChunkCostModel":
         return ChunkCostModel(self.per_token * factor, self.per_pair * factor, self.backward_factor, self.ops,
-                              tuple((bh * factor, d) for bh, d in self.attention))
+                              tuple((bh * factor, d) for bh, d in self.attention), self.elementwise_bytes * factor)
 
 
 def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostModel:
     """Estimate a and q from an analysed captured graph (matmul and SDPA nodes).
 
     a counts 2·K·N per token for every linear/matmul whose rows are tokens; q counts
-    4·b·h·d per attention site (QK^T and PV).
+    4·b·h·d per attention site (QK^T and PV). The element-wise bytes per token are those of
+    the token-local memory-bound nodes (`passes.cost.elementwise_bytes`), by the difference
+    of their bytes at two lengths; a node whose bytes are not linear in the sequence (an
+    explicit T x T mask or softmax) belongs to attention, which the chunk program replaces.
     """
+    from sppo_fx.passes.cost import elementwise_bytes
     from sppo_fx.passes.stage_split import node_flops
-    per_token, per_pair, ops, sites = 0.0, 0.0, 0, []
+    per_token, per_pair, ops, sites, moved = 0.0, 0.0, 0, [], 0.0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -78,12 +86,23 @@ def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostMod
             per_pair += 4.0 * b * h * d
             sites.append((b * h, d))
             continue
+        moved += _per_token(elementwise_bytes(node), seq)
         info = node.meta.get("sppo_seq")
         if info is None or not info.seq_dims:
             continue
         f1, f2 = node_flops(node, seq, 1024), node_flops(node, seq, 2048)
         per_token += max(f2 - f1, 0.0) / 1024
-    return ChunkCostModel(per_token, per_pair, ops=ops, attention=tuple(sites))
+    return ChunkCostModel(per_token, per_pair, ops=ops, attention=tuple(sites), elementwise_bytes=moved)
+
+
+def _per_token(expr, seq: sympy.Symbol) -> float:
+    """The slope in the sequence length of an expression linear in it (else 0)."""
+    expr = sympy.expand(sympy.sympify(expr))
+    if not expr.free_symbols:
+        return 0.0
+    if expr.free_symbols != {seq} or sympy.degree(expr, seq) != 1:
+        return 0.0
+    return float(expr.coeff(seq, 1))
 
 
 def balanced_lengths(seq_len: int, chunks: int, cost: ChunkCostModel) -> list[int]:

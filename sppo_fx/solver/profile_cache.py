@@ -69,7 +69,7 @@ def profile_key(device: str, dir: str | None = None) -> dict:
     except OSError:
         filesystem = target
     return {"device": dev.type, "hardware": hardware, "threads": torch.get_num_threads(),
-            "disk": f"{target} (dev {filesystem})", "host": platform.node(), "version": 4}
+            "disk": f"{target} (dev {filesystem})", "host": platform.node(), "version": 5}
 
 
 def _path(key: dict) -> str | None:

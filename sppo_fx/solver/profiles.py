@@ -69,6 +69,8 @@ class DeviceProfile:
             prefix pair (>= 1) at those lengths; (): 1.
         attention_size: ((chunk length, factor), ...): a pair's cost at that many queries
             over `attention_by_dim`'s (measured at 256); (): 1.
+        elementwise_bytes_per_s: bytes/s a chain of element-wise ops reads and writes on
+            chunk-sized fp32 tensors (the clock's element-wise term); 0: unknown, left out.
     """
 
     name: str
@@ -91,6 +93,7 @@ class DeviceProfile:
     attention_by_dim: tuple = ()
     attention_square: tuple = ()
     attention_size: tuple = ()
+    elementwise_bytes_per_s: float = 0.0
 
     def efficiency(self, tokens_per_chunk: float) -> float:
         """Fraction of `flops_per_s` reached by a chunk of this many tokens.
@@ -193,6 +196,9 @@ class DeviceProfile:
             if not isinstance(table, tuple) or not all(isinstance(x, tuple) and len(x) == 2 and all(map(number, x))
                                                        and x[0] > 0 and x[1] >= least for x in table):
                 raise SppoError(f"DeviceProfile {field}={table!r}: give (({what}), ...)")
+        if not number(self.elementwise_bytes_per_s) or self.elementwise_bytes_per_s < 0:
+            raise SppoError(f"DeviceProfile elementwise_bytes_per_s={self.elementwise_bytes_per_s!r}: give a "
+                            "finite rate >= 0 (0: unknown)")
         if not number(self.compiled_speedup) or self.compiled_speedup <= 0:
             raise SppoError(f"DeviceProfile compiled_speedup={self.compiled_speedup!r}: give a positive finite factor")
         if not number(self.n_half) or self.n_half < 0:
@@ -234,6 +240,8 @@ class DeviceProfile:
                          + f"{self.attention_call_seconds * 1e6:.0f} us per call")]
               if self.op_seconds or self.file_seconds or self.attention_pair_seconds or self.attention_call_seconds
               or self.attention_by_dim else []),
+            *([("element-wise", f"{self.elementwise_bytes_per_s / 1e9:.2f} GB/s")]
+              if self.elementwise_bytes_per_s else []),
             ("memory", f"{self.memory_bytes / GiB:.1f} GiB"),
             ("source", self.source),
         ]

@@ -229,3 +229,97 @@ def test_compute_is_timed_in_cpu_time_on_one_thread():
         assert cc.compute_timer() is time.perf_counter
     finally:
         torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- the element-wise term
+
+EW_COST = ChunkCostModel(per_token=1e7, per_pair=1e3, ops=0, elementwise_bytes=2e5)
+
+
+def _ew_step(profile, lengths=(1024,) * 4, recompute_fraction=0.0):
+    n = len(lengths)
+    return step_terms(EW_COST, list(lengths), [0.0] * n, [0] * n, profile.flops_per_s, profile.n_half, 1e9,
+                      recompute_fraction, clock=Clock.of(profile))
+
+
+def test_a_slower_elementwise_bandwidth_gives_a_longer_step():
+    fast = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, n_half=0.0, elementwise_bytes_per_s=8e9)
+    slow = DeviceProfile.from_dict(dict(fast.to_dict(), elementwise_bytes_per_s=4e9))
+    a, b = _ew_step(fast), _ew_step(slow)
+    # forward, then backward at 2x the forward's bytes: 3 passes over 2e5 B/token x 4096 tokens
+    assert a.elementwise == pytest.approx(3 * 2e5 * 4096 / 8e9)
+    assert b.elementwise == pytest.approx(2 * a.elementwise)
+    assert b.total > a.total and b.total - a.total == pytest.approx(a.elementwise)
+    # a recompute policy replays the forward's element-wise ops once more
+    assert _ew_step(fast, recompute_fraction=0.1).elementwise == pytest.approx(4 / 3 * a.elementwise)
+    # a profile without the figure (built-in GPU ones, older caches) leaves the term out
+    assert _ew_step(DeviceProfile.from_dict(dict(fast.to_dict(), elementwise_bytes_per_s=0.0))).elementwise == 0
+
+
+def test_the_elementwise_bandwidth_travels_in_the_profile():
+    prof = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, elementwise_bytes_per_s=5e9)
+    assert DeviceProfile.from_json(prof.to_json()).elementwise_bytes_per_s == 5e9
+    assert "element-wise" in prof.table()
+    old = {k: v for k, v in prof.to_dict().items() if k != "elementwise_bytes_per_s"}  # a profile stored before
+    assert DeviceProfile.from_dict(old).elementwise_bytes_per_s == 0.0
+    with pytest.raises(Exception, match="elementwise_bytes_per_s"):
+        DeviceProfile.from_dict(dict(prof.to_dict(), elementwise_bytes_per_s=-1.0))
+
+
+def test_the_elementwise_bandwidth_is_measured():
+    import torch
+    from sppo_fx.solver import clock_calibration as cc
+    bw = cc.elementwise_bytes_per_s(torch.device("cpu"), 0.02, tokens=64, width=64)
+    assert 1e7 < bw < 1e13  # bytes/s: neither nil nor a free pass
+
+
+def _exported(fn):
+    """A module's exported graph with a dynamic sequence dim, and that dim's symbol."""
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return fn(self.lin(x))
+
+    seq = torch.export.Dim("seq", min=2, max=1 << 16)
+    ep = torch.export.export(M(), (torch.randn(2, 8, 16),), dynamic_shapes=({1: seq},))
+    gm = ep.graph_module
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "x")
+    return gm, x.meta["val"].shape[1].node.expr
+
+
+def test_more_elementwise_ops_per_token_give_more_bytes():
+    import torch
+    from sppo_fx.solver.partition import cost_model_from_graph
+    one = cost_model_from_graph(*_exported(lambda h: h * 2.0))
+    three = cost_model_from_graph(*_exported(lambda h: torch.nn.functional.silu(h * 2.0 + h)))
+    # fp32 [2, T, 16]: mul reads and writes 2 x 128 B per token; add 3 x 128, silu 2 x 128
+    assert one.elementwise_bytes == pytest.approx(2 * 128)
+    assert three.elementwise_bytes == pytest.approx(7 * 128)
+    # the matmul is not element-wise work: the same FLOPs, and the bytes scale with the batch
+    assert one.per_token == three.per_token
+    assert one.scaled(0.5).elementwise_bytes == pytest.approx(128)
+
+
+def test_the_chunk_programs_cost_has_the_elementwise_bytes():
+    import torch
+    from sppo_fx.capture import capture
+    from sppo_fx.models import build
+    from sppo_fx.passes import cost as cost_model
+    from sppo_fx.passes import transform
+    from sppo_fx.solver.partition import cost_model_from_graph
+    model = build("llama", "tiny")
+    x = torch.randint(0, 97, (1, 32))
+    cap = capture(model, None, None, (x, x), {}, None, 1)
+    graph, program = transform(cap)
+    cc = cost_model.chunk_cost(program, cap.seq, first_chunk=False)
+    at = [cc.evaluate(c=n, p=64)["elementwise_bytes"] for n in (64, 128)]
+    per_token = (at[1] - at[0]) / 64
+    # the chunk program's per-token bytes are the captured graph's (within what the chunk
+    # pass adds around attention)
+    whole = cost_model_from_graph(graph, cap.seq).elementwise_bytes
+    assert whole > 0 and 0.8 * whole < per_token < 1.5 * whole

@@ -65,7 +65,7 @@ up to the chunk (kind "kv_concat", `2·b·h_kv·(p + c)·d` per layer) — and a
 backward reads the prefix from the skeleton would not need them.
 """
 from sppo_fx.passes.cost.data import ChunkCost, NodeCost, SavedTensor, _to_int, b, c, p  # noqa: F401
-from sppo_fx.passes.cost.flops import attention_flops, node_cost  # noqa: F401
+from sppo_fx.passes.cost.flops import attention_flops, elementwise_bytes, node_cost  # noqa: F401
 from sppo_fx.passes.cost.model import chunk_cost, chunk_costs, measure_saved_bytes  # noqa: F401
 from sppo_fx.passes.cost.saved import (choose_example, example_inputs, saved_tensors,  # noqa: F401
                                         saved_tensors_by_policy)

@@ -34,6 +34,9 @@ class NodeCost:
         fwd_flops: forward FLOPs (sympy, in c, p, b).
         bwd_flops: backward FLOPs (sympy; 0 when the node is not differentiated).
         bytes_written: bytes of freshly allocated outputs (0 for views).
+        elementwise_bytes: bytes a memory-bound node (not a matmul, attention, view or
+            factory) reads and writes in its forward (`flops.elementwise_bytes`); the
+            clock's element-wise term.
     """
 
     name: str
@@ -42,6 +45,7 @@ class NodeCost:
     fwd_flops: sympy.Expr
     bwd_flops: sympy.Expr
     bytes_written: sympy.Expr
+    elementwise_bytes: sympy.Expr = sympy.Integer(0)
 
 
 @dataclasses.dataclass
@@ -112,6 +116,12 @@ class ChunkCost:
         """Bytes written by the forward (sum over nodes)."""
         return sympy.Add(*[n.bytes_written for n in self.nodes])
 
+    @property
+    def elementwise_bytes(self) -> sympy.Expr:
+        """Bytes the forward's memory-bound (element-wise) nodes read and write, summed:
+        linear in c for the token-local ones, the clock's element-wise term per token."""
+        return sympy.Add(*[n.elementwise_bytes for n in self.nodes])
+
     def _subs(self, c_val, p_val, b_val) -> dict:
         return {c: int(c_val), p: int(p_val), b: int(self.batch if b_val is None else b_val)}
 
@@ -125,12 +135,13 @@ class ChunkCost:
 
         Returns:
             {"fwd_flops", "bwd_flops", "level1_bytes", "level2_bytes", "saved_bytes",
-            "bytes_written"} as ints.
+            "bytes_written", "elementwise_bytes"} as ints.
         """
         subs = self._subs(c, p, b)
         exprs = {"fwd_flops": self.fwd_flops, "bwd_flops": self.bwd_flops,
                  "level1_bytes": self.level1_bytes, "level2_bytes": self.level2_bytes,
-                 "saved_bytes": self.saved_bytes, "bytes_written": self.bytes_written}
+                 "saved_bytes": self.saved_bytes, "bytes_written": self.bytes_written,
+                 "elementwise_bytes": self.elementwise_bytes}
         return {k: _to_int(e.subs(subs)) for k, e in exprs.items()}
 
     def table(self, c: int | None = None, p: int = 0, b: int | None = None, nodes: bool = False) -> str:

@@ -248,10 +248,44 @@ def node_cost(node: fx.Node, value_of: Callable[[fx.Node], object] | None = None
         fwd = sympy.Add(*[_numel(t) for t in outs])
         bwd = 2 * fwd if differentiated else zero
 
+    moved = elementwise_bytes(node, value_of)
     if batch is not None:
         scale = b / sympy.Integer(batch)
         if _batch_scaled(ins + outs, set(sizes), batch):
-            fwd, bwd = fwd * scale, bwd * scale
+            fwd, bwd, moved = fwd * scale, bwd * scale, moved * scale
         if _batch_scaled(fresh, set(sizes), batch):
             bytes_written = bytes_written * scale
-    return NodeCost(name, target, kind, sympy.expand(fwd), sympy.expand(bwd), sympy.expand(bytes_written))
+    return NodeCost(name, target, kind, sympy.expand(fwd), sympy.expand(bwd), sympy.expand(bytes_written),
+                    sympy.expand(moved))
+
+
+# ------------------------------------------------------------------ element-wise bytes
+
+# Ops that only make a tensor (no input read): their writes are small tables (positions).
+_FACTORIES = {"arange", "ones", "zeros", "full", "empty", "scalar_tensor", "zeros_like", "ones_like",
+              "full_like", "empty_like", "new_zeros", "new_ones", "new_empty", "new_full", "empty_strided",
+              "rand", "randn", "rand_like", "randn_like", "tensor", "lift_fresh_copy"}
+
+
+def elementwise_bytes(node: fx.Node, value_of: Callable[[fx.Node], object] | None = None) -> sympy.Expr:
+    """Bytes a memory-bound node reads and writes in its forward: every tensor input and
+    every output, whole (pointwise ops, norms, reductions, copies, `cat`, gathers).
+    Matmuls, attention, views and factories count 0: their time is FLOPs or pairs (the
+    clock's other terms), or nothing. Shapes are the values' (sympy in their symbols)."""
+    value_of = value_of or (lambda n: n.meta.get("val"))
+    zero = sympy.Integer(0)
+    if node.op != "call_function":
+        return zero
+    op = _op_name(node.target)
+    if op in _MATMUL or op in _FACTORIES or _attention_kind(node) is not None:
+        return zero
+    outs = _tensors(value_of(node))
+    if not outs:
+        return zero
+    ins = [t for n in node.all_input_nodes for t in _tensors(value_of(n))]
+    in_storages = {_storage_key(t) for t in ins}
+    fresh = [t for t in outs if _storage_key(t) not in in_storages or _storage_key(t) is None]
+    if not fresh and _is_view_op(node.target):  # a view: no pass over memory of its own
+        return zero
+    # an in-place op (copy_, add_) writes its output over an input: counted as written too
+    return sympy.Add(*[_nbytes(t) for t in ins + outs])

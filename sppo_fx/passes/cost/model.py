@@ -113,6 +113,7 @@ def _node_costs(program, captured_seq, values, batch) -> list:
         nc.fwd_flops = sympy.expand(nc.fwd_flops.xreplace(rename))
         nc.bwd_flops = sympy.expand(nc.bwd_flops.xreplace(rename))
         nc.bytes_written = sympy.expand(nc.bytes_written.xreplace(rename))
+        nc.elementwise_bytes = sympy.expand(nc.elementwise_bytes.xreplace(rename))
         nodes.append(nc)
     return nodes
 
