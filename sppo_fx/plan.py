@@ -14,6 +14,11 @@ from tabulate import tabulate
 from sppo_fx.errors import SppoError
 
 
+# the predicted step's terms (`solver/clock.py`, `Plan.step_terms`) in the order printed
+_STEP_TERM_LABELS = (("compute", "compute"), ("elementwise", "element-wise"), ("attention", "attention"),
+                     ("exposed_copy", "exposed copy"), ("overhead", "overheads"))
+
+
 @dataclasses.dataclass
 class Plan:
     """Chunk partition of a sequence.
@@ -39,7 +44,7 @@ class Plan:
             rank order (multiplexed partitioning gives chunks their own splits); None:
             every chunk splits as evenly as possible (`sp_split`).
         step_terms: the predicted step's terms in seconds (`solver.clock.StepTerms`:
-            compute, attention, exposed_copy, overhead); None: not predicted by terms.
+            compute, elementwise, attention, exposed_copy, overhead); None: not predicted by terms.
         tier_steps: with `offload="auto"`, the predicted step seconds of the best plan on
             each candidate tier (None for a tier whose plan did not fit: the host memory it
             may pin); None: the tier was given, not chosen.
@@ -124,8 +129,8 @@ class Plan:
         if self.step_seconds is not None:
             terms = self.step_terms
             extra.append(f"predicted step {self.step_seconds:.3g} s" + (
-                f" (compute {terms['compute']:.3g} s, attention {terms['attention']:.3g} s, exposed copy "
-                f"{terms['exposed_copy']:.3g} s, overheads {terms['overhead']:.3g} s)" if terms else ""))
+                " (" + ", ".join(f"{label} {terms[key]:.3g} s" for key, label in _STEP_TERM_LABELS
+                                 if key in terms) + ")" if terms else ""))
         if self.tier_steps:
             others = [f"{t} {'not within host memory' if s is None else f'{s:.3g} s'}"
                       for t, s in self.tier_steps.items() if t != self.tier]
