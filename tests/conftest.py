@@ -223,9 +223,16 @@ def _session_cache_dir(tmp_path_factory):
     """sppo_fx's disk caches (device profile, memory model: `sppo_fx/util/disk_cache.py`) in one
     directory per test session: the suite never reads or writes ~/.cache, and its tests
     (and the subprocesses they start, which inherit the variable) share one cache. A test
-    that needs a cold cache sets its own SPPO_FX_CACHE_DIR."""
+    that needs a cold cache sets its own SPPO_FX_CACHE_DIR. The xdist workers of one run share
+    it (their base temp dirs sit in the run's): each profile and memory model is measured by
+    one worker, not by each; the caches write atomically, for concurrent processes."""
     previous = os.environ.get("SPPO_FX_CACHE_DIR")
-    os.environ["SPPO_FX_CACHE_DIR"] = str(tmp_path_factory.mktemp("sppo_fx_cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.getbasetemp().parent / "sppo_fx_cache"
+        path.mkdir(mode=0o700, exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("sppo_fx_cache")
+    os.environ["SPPO_FX_CACHE_DIR"] = str(path)
     yield
     if previous is None:
         os.environ.pop("SPPO_FX_CACHE_DIR", None)
