@@ -93,8 +93,8 @@ class Clock:
         return cls(get("op_seconds"), get("file_seconds") if tier == "disk" else 0.0, get("attention_pair_seconds"),
                    get("attention_pair_dim_seconds"), get("compiled_speedup", 1.0) if compiled else 1.0,
                    get("attention_call_seconds"),
-                   tuple(sorted((float(d), float(sec)) for d, sec in (getattr(profile, "attention_by_dim", ()) or ()))),
-                   _table(profile, "attention_square"), _table(profile, "attention_size"),
+                   _table(profile, "attention_by_dim"), _table(profile, "attention_square"),
+                   _table(profile, "attention_size"),
                    get("elementwise_bytes_per_s"))
 
     def elementwise_seconds(self, cost, tokens: float, recompute_fraction: float = 0.0) -> float:

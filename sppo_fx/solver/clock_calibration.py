@@ -261,14 +261,14 @@ def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6) -> floa
         # wall time: a program's step hands work to the runtime's threads and waits, which a
         # user's step pays on an idle machine and CPU time leaves out (on a loaded one the
         # CPU-time figure came out 4x under: 6 us, against 26 us of wall time at load 2)
-        t1, t4, timer = float("inf"), float("inf"), time.perf_counter
+        t1, t4 = float("inf"), float("inf")
         t_end, k = time.perf_counter() + budget_s, 0
         while k < 3 or (time.perf_counter() < t_end and k < 50):  # interleaved: load hits both alike
             for n, run in runs.items():
                 model.zero_grad(set_to_none=True)
-                t0 = timer()
+                t0 = time.perf_counter()
                 run.step(x, y)
-                dt = timer() - t0
+                dt = time.perf_counter() - t0
                 t1, t4 = (min(t1, dt), t4) if n == 1 else (t1, min(t4, dt))
             k += 1
         cost = runs[4]._require_entry().cost
