@@ -171,21 +171,46 @@ SLOW_CASES = {
     "test_fuzz.py::test_almost_causal_masks_are_exact_or_refused[window-3]",
 }
 
+# Cells of cross products (family x attention implementation, family x option) that only the
+# full suite runs. The development tier keeps every family and every variant at least once
+# (the cells not listed here); what it leaves out is a combination whose family and variant
+# it covers in other cells. Each cell is a tiny model's torch.export (1-3 s on 2 cores),
+# which is what the development tier's 3-minute budget is made of.
+FULL_TIER_CELLS = {
+    # every family keeps its default attention; written-out attention stays for llama,
+    # gemma2, gpt2 and falcon (four different recogniser paths)
+    *(f"test_hf_families.py::test_family_trains_exactly_in_chunks[{family}-eager]"
+      for family in ("mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt_neox", "olmo2", "gptj", "cohere")),
+    "test_moe.py::test_moe_family_trains_exactly_in_chunks[mixtral-False]",
+    "test_moe.py::test_moe_family_trains_exactly_in_chunks[qwen3_moe-True]",
+    "test_ones_inputs.py::test_all_ones_mask_trains_exactly_and_a_padded_call_is_refused_before_any_step[gpt2]",
+    "test_ones_inputs.py::test_all_ones_mask_trains_exactly_and_a_padded_call_is_refused_before_any_step[falcon]",
+    "test_sliding_window.py::test_every_windowed_family_matches_eager[eager-mistral]",
+    "test_sliding_window.py::test_every_windowed_family_matches_eager[sdpa-qwen2]",
+    "test_sliding_window.py::test_every_windowed_family_matches_eager[sdpa-gemma2]",
+    "test_sliding_window.py::test_every_windowed_family_matches_eager[eager-gemma3]",
+    "test_gpt_oss.py::test_gpt_oss_trains_exactly_in_chunks[True-None]",
+    "test_gpt_oss.py::test_gpt_oss_trains_exactly_in_chunks[False-eager]",
+    # [batch-chunks-kind]: each kind keeps every chunk count once and both batch sizes
+    *(f"test_exactness.py::test_reference_models_match_eager[{cell}]"
+      for cell in ("1-1-gpt", "1-3-gpt", "3-2-gpt", "3-7-gpt", "1-2-llama", "1-7-llama", "3-1-llama", "3-3-llama")),
+}
+
 
 def pytest_collection_modifyitems(config, items):
     seen = set()
     for item in items:
         key = f"{item.path.name}::{item.name}"
-        if key in SLOW_CASES:
+        if key in SLOW_CASES or key in FULL_TIER_CELLS:
             item.add_marker(pytest.mark.slow)
             seen.add(key)
     files = {item.path.name for item in items}
-    stale = sorted(k for k in SLOW_CASES - seen if k.split("::")[0] in files and "[" in k
+    stale = sorted(k for k in (SLOW_CASES | FULL_TIER_CELLS) - seen if k.split("::")[0] in files and "[" in k
                    and any(item.path.name == k.split("::")[0] and item.originalname == k.split("::")[1].split("[")[0]
                            for item in items))
     for key in stale:  # the case was renamed: say so rather than let it run in the quick tier
         item = next(i for i in items if i.path.name == key.split("::")[0])
-        item.warn(pytest.PytestWarning(f"conftest.SLOW_CASES names {key}, which no longer exists"))
+        item.warn(pytest.PytestWarning(f"conftest.SLOW_CASES or FULL_TIER_CELLS names {key}, which no longer exists"))
     # Files with slow tests first, each file's tests in their order: xdist hands the long
     # tests out early, rather than one worker finishing a long test alone at the end.
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
