@@ -141,7 +141,7 @@ def _solve_rank(options: CompileOptions, program, cap, params, plan: Plan, mesh:
                 cost) -> tuple[Plan, dict]:
     """This rank's budget plan for its stage (the chunk lengths every rank shares stay) and
     its offload quota per (micro-batch, chunk)."""
-    from sppo_fx.solver.budget import memory_models
+    from sppo_fx.solver.memory_model import memory_models
     from sppo_fx.solver.profile_cache import device_profile
     world, rank = mesh.layout.pp, mesh.pp_rank
     policies = RECOMPUTE_POLICIES if options.recompute == "auto" else (options.recompute,)

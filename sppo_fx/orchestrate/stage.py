@@ -40,7 +40,7 @@ class Entry:
     graph: fx.GraphModule  # the analysed captured graph
     program: ChunkedProgram
     cost: ChunkCostModel | None = None
-    memory: dict = dataclasses.field(default_factory=dict)  # recompute policy -> solver.budget.MemoryModel
+    memory: dict = dataclasses.field(default_factory=dict)  # recompute policy -> solver.memory_model.MemoryModel
     budget_plans: dict = dataclasses.field(default_factory=dict)  # seq_len -> Plan
     programs: dict = dataclasses.field(default_factory=dict)  # (recompute, skeleton, >1 chunk) -> CompiledProgram
     verified: bool = False  # verify=True has compared this entry's program with the model
@@ -96,7 +96,7 @@ def chunk_plan(options: CompileOptions, seq_len: int, cost: ChunkCostModel | Non
 
 def memory_models(entry: Entry, policies) -> list:
     """The entry's MemoryModels of `policies` (built once per policy: AOTAutograd traces)."""
-    from sppo_fx.solver.budget import memory_models as build
+    from sppo_fx.solver.memory_model import memory_models as build
     missing = [r for r in policies if r not in entry.memory]
     if missing:
         # its phases: "memory model: saved activations under recompute ... (AOTAutograd

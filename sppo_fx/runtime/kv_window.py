@@ -16,7 +16,7 @@ backward anyway (to receive dK/dV from later chunks):
   these copies add up over the sequence; when they would reach one full-sequence buffer
   (`skeleton_rows.copy_rows` >= T), the site keeps that buffer instead (the smaller of the two, both
   exact). `skeleton_rows.keeps_no_buffer` decides, for the runtime and for the memory model
-  (solver/budget.py, windows only: document boundaries are data) alike.
+  (solver/memory_model.py, windows only: document boundaries are data) alike.
 
 Either way a chunk's rows are read by no chunk whose first position read is past them,
 and the gradient of the prefix is split over the earlier chunks exactly as for a full buffer

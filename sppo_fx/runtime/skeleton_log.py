@@ -8,7 +8,7 @@ written once, at its offset in a single file, and a stream (chunk i, one site, o
 is one task that preads its blocks in order: files and tasks per step grow as N, only the
 preads (one syscall a block) grow as N^2. The device side is unchanged: a stream holds at
 most two blocks (K and V) at a time, the one in use and the next one (`_AHEAD` tokens),
-which is the stream buffer the memory model counts (`solver.budget.predict_peak`).
+which is the stream buffer the memory model counts (`solver.memory_model.predict_peak`).
 
 Nothing silently wrong: a read waits for its block's write; a failed write or a short or
 changed read (sampled checksum, as the disk tier's) raises at the reader, naming the file.

@@ -1,6 +1,6 @@
 """Predictions for any single-stage plan: the peak memory and step time of the plan that
 ran, whether or not the budget solver chose it (a fixed chunk count, a manual `offload`
-tier), from the same memory and time models the solver uses (`solver/budget.py`).
+tier), from the same memory and time models the solver uses (`solver/memory_model.py`, `solver/budget.py`).
 
 The benchmark engine shows them beside the measured figures for every library row, so a
 user can see how far to trust the solver's models.
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from sppo_fx.solver.partition import ChunkCostModel
 from sppo_fx.plan import Plan
-from sppo_fx.solver.budget import MemoryModel, predict_peak, step_terms, streamed_block_counts
+from sppo_fx.solver.budget import step_terms
+from sppo_fx.solver.memory_model import MemoryModel, predict_peak, streamed_block_counts
 from sppo_fx.solver.clock import Clock
 
 

@@ -1,6 +1,6 @@
 """Which K/V prefix rows each chunk reads, and whether a site keeps a full-sequence K/V
 buffer: plain arithmetic on a chunk plan's bounds, shared by the runtime
-(`runtime/kv_window.py`, `runtime/local.py`, `runtime/skeleton.py`) and the memory model (`solver/budget.py`), so
+(`runtime/kv_window.py`, `runtime/local.py`, `runtime/skeleton.py`) and the memory model (`solver/memory_model.py`), so
 that what is predicted and what is kept are decided by one rule. It sits below both (it
 imports nothing from sppo_fx)."""
 from __future__ import annotations
@@ -37,7 +37,7 @@ def keeps_no_buffer(bounds: list[tuple[int, int]], firsts: list[int]) -> bool:
     """Whether a site whose chunks read from positions `firsts` on keeps no full-sequence
     K/V buffer under these chunk bounds: its prefix copies are fewer rows than the
     sequence. The one test the runtime (`StageRunner._prefix`) and the memory model
-    (`solver.budget`, with `window_firsts`) share."""
+    (`solver.memory_model`, with `window_firsts`) share."""
     return bool(bounds) and copy_rows(bounds, firsts) < bounds[-1][1]
 
 

@@ -16,7 +16,7 @@ from sppo_fx.models import build
 from sppo_fx.options import CompileOptions, compile_options
 from sppo_fx.runtime.local import chunked_loss
 from sppo_fx.runtime.store import ActivationStore
-from sppo_fx.solver.budget import MemoryModel
+from sppo_fx.solver.memory_model import MemoryModel
 from sppo_fx.solver.partition import ChunkCostModel
 from sppo_fx.solver.profiles import get_profile
 from sppo_fx.solver.rank_budget import offload_quota, solve_budget

@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.fx as fx
 
-import sppo_fx.solver.budget as budget_module
+import sppo_fx.solver.memory_model as memory_model_module
 import sppo_fx.solver.profile_cache as profile_cache
 from sppo_fx import Plan, SppoError
 from sppo_fx.options import compile_options
 from sppo_fx.orchestrate import Entry, plan_call
 from sppo_fx.orchestrate.ranks import _solve_rank
-from sppo_fx.solver.budget import MemoryModel
+from sppo_fx.solver.memory_model import MemoryModel
 from sppo_fx.solver.partition import ChunkCostModel
 from sppo_fx.solver.profiles import get_profile
 from sppo_fx.solver.rank_budget import solve_budget
@@ -62,7 +62,7 @@ def test_a_stage_plan_is_solved_on_the_clock_of_its_compile_option():
 
 
 def test_a_pipeline_rank_is_solved_on_the_clock_of_its_compile_option(monkeypatch):
-    monkeypatch.setattr(budget_module, "memory_models", lambda *a, **k: [MEM])
+    monkeypatch.setattr(memory_model_module, "memory_models", lambda *a, **k: [MEM])
     monkeypatch.setattr(profile_cache, "device_profile", lambda *a, **k: PROFILE)
     mesh = types.SimpleNamespace(layout=types.SimpleNamespace(pp=2), pp_rank=1)
     params = [torch.empty(0, device="meta")]

@@ -21,7 +21,8 @@ from sppo_fx.plan import Plan
 from sppo_fx.runtime.local import StageRunner, chunked_loss
 from sppo_fx.runtime.memory import ChunkMemory
 from sppo_fx.runtime.store import ActivationStore
-from sppo_fx.solver.budget import MemoryModel, solve
+from sppo_fx.solver.budget import solve
+from sppo_fx.solver.memory_model import MemoryModel
 from sppo_fx.solver.partition import ChunkCostModel
 
 

@@ -250,7 +250,7 @@ def _skeleton_measured_and_predicted(window, plans):
     """Per chunk lengths: (the K/V skeleton `StageRunner.skeleton_bytes` measures at the end
     of a training step's forward, the memory model's `kept_skeleton_bytes`), and the model."""
     from sppo_fx.runtime.local import StageRunner
-    from sppo_fx.solver.budget import kept_skeleton_bytes, memory_models
+    from sppo_fx.solver.memory_model import kept_skeleton_bytes, memory_models
     measured = {}
     finish = StageRunner.finish_forward
 
@@ -316,7 +316,8 @@ def test_budget_solver_plans_a_windowed_model_below_the_full_skeleton_minimum(wi
     alone would not get there."""
     import dataclasses
     from sppo_fx.errors import InfeasibleBudget
-    from sppo_fx.solver.budget import kept_skeleton_bytes, predict_peak, solve
+    from sppo_fx.solver.budget import solve
+    from sppo_fx.solver.memory_model import kept_skeleton_bytes, predict_peak
     _, memory, entry = windowed_skeleton
     full_accounting = dataclasses.replace(memory, windowed=())
     t, counts = 16 * W_MODEL, [4, 8, 16]  # chunks of W or more: no buffer, no copies

@@ -22,7 +22,8 @@ from sppo_fx.runtime.local import chunked_loss
 from sppo_fx.runtime.memory import ChunkMemory
 from sppo_fx.runtime.skeleton import KVSkeleton
 from sppo_fx.runtime.store import ActivationStore
-from sppo_fx.solver.budget import MemoryModel, predict_peak, solve
+from sppo_fx.solver.budget import solve
+from sppo_fx.solver.memory_model import MemoryModel, predict_peak
 from sppo_fx.solver.partition import ChunkCostModel
 
 

@@ -187,7 +187,8 @@ def test_budget_solver_offloads_a_windowed_skeleton_when_the_budget_requires_it(
     """Below the least budget any plan with the skeleton kept needs, the solver streams the
     windowed skeleton (its reads counted over the window's blocks only) and the step is exact."""
     from sppo_fx.errors import InfeasibleBudget
-    from sppo_fx.solver.budget import memory_models, solve, streamed_skeleton
+    from sppo_fx.solver.budget import solve
+    from sppo_fx.solver.memory_model import memory_models, streamed_skeleton
     model, compiled = offloaded_window
     entry = compiled._require_entry()
     params = [entry.captured.param_value(n) for n in entry.program.params]

@@ -17,7 +17,8 @@ from sppo_fx.models import build
 from sppo_fx.passes import transform
 from sppo_fx.runtime.local import chunked_loss
 from sppo_fx.runtime.store import ActivationStore
-from sppo_fx.solver.budget import MemoryModel, copy_window, parse_budget, predict_peak, solve
+from sppo_fx.solver.budget import parse_budget, solve
+from sppo_fx.solver.memory_model import MemoryModel, copy_window, predict_peak
 from sppo_fx.solver.partition import ChunkCostModel
 
 COST = ChunkCostModel(per_token=1e7, per_pair=1e3)
@@ -247,7 +248,7 @@ def test_memory_models_of_a_model_on_another_device():
     """The cost model's fake inputs go on the model's device: on an H200 a CUDA model failed
     here ("Tensor on device cpu is not on the expected device cuda:0", at RoPE's
     outer(arange, inv_freq)); the meta device has the same device check and no data."""
-    from sppo_fx.solver.budget import memory_models
+    from sppo_fx.solver.memory_model import memory_models
     model = build("llama", "tiny").to("meta")
     x = torch.randint(0, 97, (1, 64)).to("meta")
     cap = capture(model, None, None, (x, x), {}, None, 1)
@@ -263,7 +264,7 @@ def test_plans_the_solver_did_not_choose_are_predicted_by_its_models():
     lowers the predicted peak; the prediction is the solver's own for the same ratios."""
     import sppo_fx
     from sppo_fx.models import build
-    from sppo_fx.solver.budget import predict_peak
+    from sppo_fx.solver.memory_model import predict_peak
     torch.manual_seed(0)
     model = build("llama", "tiny")
     x = torch.randint(0, 97, (1, 128))

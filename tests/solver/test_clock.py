@@ -7,7 +7,8 @@ import pytest
 from sppo_fx.benchmark.report import accuracy
 from sppo_fx.errors import SppoError
 from sppo_fx.plan import Plan
-from sppo_fx.solver.budget import MemoryModel, budget_plan, solve, step_terms
+from sppo_fx.solver.budget import budget_plan, solve, step_terms
+from sppo_fx.solver.memory_model import MemoryModel
 from sppo_fx.solver.clock import Clock, StepTerms
 from sppo_fx.solver.profiles import DeviceProfile, get_profile
 

@@ -3,7 +3,8 @@ its calibration: on hand-made profiles, what it charges and the plans it makes t
 choose. No model runs here."""
 import pytest
 
-from sppo_fx.solver.budget import MemoryModel, solve, step_terms
+from sppo_fx.solver.budget import solve, step_terms
+from sppo_fx.solver.memory_model import MemoryModel
 from sppo_fx.solver.clock import Clock
 from sppo_fx.solver.partition import ChunkCostModel
 from sppo_fx.solver.profiles import DeviceProfile

@@ -14,7 +14,8 @@ from conftest import tiny_program
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
 from sppo_fx.options import compile_options
-from sppo_fx.solver.budget import MemoryModel, solve
+from sppo_fx.solver.budget import solve
+from sppo_fx.solver.memory_model import MemoryModel
 from sppo_fx.solver.partition import ChunkCostModel
 from sppo_fx.solver.profiles import DeviceProfile
 from sppo_fx.solver.rank_budget import host_bytes, host_memory_available, solve_budget
