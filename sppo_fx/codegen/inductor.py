@@ -220,9 +220,10 @@ class CompiledProgram:
             handles are empty tensors for every chunk), or, in a program without one, by an
             empty tensor argument. Same partition, same memory passes; the results differ
             from Inductor's only by floating-point reassociation. From chunk 0's second call
-            on, Inductor compiles those exact-size programs on a background thread, and
-            chunk 0 runs Inductor's code once it is ready (`sppo_fx/codegen/background.py`),
-            so the steady step is compiled throughout.
+            on, a forked child compiles those exact-size programs with Inductor, and chunk 0
+            runs Inductor's code once it is ready (`sppo_fx/codegen/background.py`; where
+            `SPPO_FX_BACKGROUND_COMPILE`, auto by default, turns it on), so the steady step
+            is compiled throughout.
 
     Attributes:
         partitions: one `PartitionRecord` (forward graph, backward graph, offload slots)
@@ -303,10 +304,11 @@ class CompiledProgram:
                     return compiled(*tensors)
             return compiled(*tensors)
         from sppo_fx.codegen import background
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
         later = None
-        if self.backend == "inductor" and background.enabled():
+        if self.backend == "inductor" and background.enabled(device):
             later = functools.partial(self._compile_exact_later, with_constants(self.gm, args), grad_index)
-        program_ = background.ExactProgram(run, later, self.stats, f"{self.name} program")
+        program_ = background.ExactProgram(run, later, self.stats, f"{self.name} program", device)
         self._exact.append(program_)
         return program_
 
