@@ -20,7 +20,8 @@ compile leaves chunk 0 on its op-by-op graphs, with a warning.
 
 `SPPO_FX_BACKGROUND_COMPILE` = auto (the default) | on | off. `auto` compiles where the
 compile does not take the training step's cores (`auto_decision`): a CPU program whose
-usable cores exceed the step's intra-op threads (`torch.get_num_threads()`), where a child
+usable cores exceed the step's intra-op threads (`torch.get_num_threads()`, times the local
+pipeline ranks), where a child
 can fork and Inductor's FX graph cache is on, and only while a core is free at the start
 (`forked.a_core_is_free`, checked again at each later call of chunk 0); or a CUDA program
 (the step runs on the GPU; no fork once CUDA is initialised, so the compile runs in this
@@ -68,20 +69,36 @@ def setting() -> str:
     raise SppoError(f"environment variable {ENV}={value!r}: set it to auto, on or off, or unset it (auto)")
 
 
-def auto_decision(device: str, usable_cores: int, threads: int, forks: bool) -> tuple[bool, str]:
+def auto_decision(device: str, usable_cores: int, threads: int, forks: bool, local_ranks: int = 1
+                  ) -> tuple[bool, str]:
     """`auto`'s choice for a program on `device` ("cpu", "cuda", ...) whose step runs
-    `threads` intra-op threads on a machine with `usable_cores` cores for this process, where
-    a child can (`forks`) or cannot be forked for the compile: (on, why)."""
+    `threads` intra-op threads in each of `local_ranks` processes on this machine (pipeline
+    ranks), with `usable_cores` cores for this process, where a child can (`forks`) or
+    cannot be forked for the compile: (on, why)."""
     if device.startswith("cuda"):
         return True, "the step runs on the GPU; the host compiles chunk 0 at its next call"
     if not device.startswith("cpu"):
         return False, f"no background compile for {device} programs"
     if not forks:
         return False, "no forked child (no os.fork, SPPO_FX_FORK=off or no FX graph cache): it would stall a step"
-    if usable_cores <= threads:
-        return False, (f"the step's {threads} intra-op threads take all {usable_cores} usable cores: "
-                       "a child's compile would slow the steps")
-    return True, f"{usable_cores} usable cores, {threads} intra-op threads: a core is free for the child"
+    busy = threads * max(local_ranks, 1)
+    if usable_cores <= busy:
+        return False, (f"the step's {threads} intra-op threads x {local_ranks} local rank(s) take all "
+                       f"{usable_cores} usable cores: a child's compile would slow the steps")
+    return True, (f"{usable_cores} usable cores, {threads} intra-op threads x {local_ranks} local rank(s): "
+                  "a core is free for the child")
+
+
+def local_ranks() -> int:
+    """Training processes on this machine: torchrun's LOCAL_WORLD_SIZE, or WORLD_SIZE for
+    ranks started on one machine (`runtime.launch`: LOCAL_RANK without LOCAL_WORLD_SIZE),
+    else 1."""
+    for var in ("LOCAL_WORLD_SIZE",) + (("WORLD_SIZE",) if "LOCAL_RANK" in os.environ else ()):
+        try:
+            return max(int(os.environ[var]), 1)
+        except (KeyError, ValueError):
+            continue
+    return 1
 
 
 def enabled(device: str = "cpu") -> bool:
@@ -91,7 +108,8 @@ def enabled(device: str = "cpu") -> bool:
     if chosen != "auto":
         return chosen == "on"
     from sppo_fx.util.forked import can_fork, usable_cpus
-    on, why = auto_decision(device, usable_cpus(), torch.get_num_threads(), can_fork() and _cache_on())
+    on, why = auto_decision(device, usable_cpus(), torch.get_num_threads(), can_fork() and _cache_on(),
+                            local_ranks())
     log.debug("chunk 0's background compile (%s=auto): %s, %s", ENV, "on" if on else "off", why)
     return on
 

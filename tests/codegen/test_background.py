@@ -23,6 +23,22 @@ def test_auto_decision_from_core_and_thread_counts(device, cores, threads, forks
     assert chosen is on and why
 
 
+@pytest.mark.parametrize("cores, threads, ranks, on", [(2, 1, 2, False), (4, 1, 2, True), (8, 2, 4, False)])
+def test_auto_counts_the_threads_of_every_local_rank(cores, threads, ranks, on):
+    """Pipeline ranks on one machine (one thread each, `runtime.launch`) share its cores."""
+    assert background.auto_decision("cpu", cores, threads, True, ranks)[0] is on
+
+
+@pytest.mark.parametrize("env, ranks", [({}, 1), ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, 4),
+                                        ({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}, 2), ({"WORLD_SIZE": "8"}, 1)])
+def test_local_ranks_from_the_launchers_environment(monkeypatch, env, ranks):
+    for var in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert background.local_ranks() == ranks
+
+
 def test_the_setting_defaults_to_auto_and_refuses_other_words(monkeypatch):
     monkeypatch.delenv(background.ENV, raising=False)
     assert background.setting() == "auto"
@@ -46,6 +62,7 @@ def test_auto_reads_this_machine(monkeypatch, cores, threads, on):
     monkeypatch.setattr(forked, "can_fork", lambda: True)
     monkeypatch.setattr(background, "_cache_on", lambda: True)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(background, "local_ranks", lambda: 1)
     assert background.enabled("cpu") is on
     assert background.enabled("cuda")
     monkeypatch.setenv(background.ENV, "off")
