@@ -199,7 +199,8 @@ def combine_rounds(configs: list[BenchConfig], runs: list[dict]) -> list[dict]:
                    step_by_round=[r["step_s"] for r in mine], peak_by_round=[r["peak_extra_bytes"] for r in mine],
                    loss=mine[0].get("loss"), budget_bytes=mine[0].get("budget_bytes"),
                    max_grad_diff=None if any(d is None for d in diffs) else max(diffs))
-        for key in ("predicted_peak_bytes", "predicted_step_s", "predicted_terms", "plan", "gpu", "minimum_budget_bytes"):
+        for key in ("predicted_peak_bytes", "predicted_step_s", "predicted_terms", "plan", "gpu", "minimum_budget_bytes",
+                    "first_phases"):
             if key in mine[0]:
                 row[key] = mine[0][key]
         rows.append(row)

@@ -7,6 +7,9 @@ gradients of the last step to the gradients file (the engine compares them with 
 
 Measured:
 - first_s: the first call (capture, solving, compiling, calibrating, and one step);
+  first_phases (library rows): its seconds by phase (`sppo_fx.util.log.record_phases`, an
+  "other" row for the rest: running the step, Python) and first_log the progress lines
+  logged during it, each prefixed by its seconds since the call began;
 - step_s: median of the timed steps after it (compiled library rows: after one more untimed
   step and the wait for chunk 0's background compile, `background_compile_wait_s`);
 - peak_extra_bytes: on a CPU the process's RSS high-water (VmHWM, reset just before each
@@ -21,6 +24,7 @@ Measured:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,6 +37,7 @@ import torch
 from sppo_fx.benchmark.config import BenchConfig, min_headroom
 from sppo_fx.benchmark.copy_overlap import COPY_OVERLAP_ENV, profile_step
 from sppo_fx.errors import InfeasibleBudget
+from sppo_fx.util.log import record_phases, summarize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -122,6 +127,31 @@ def _terms(compiled) -> dict | None:
     return {k: float(v) for k, v in vars(terms).items()}
 
 
+@contextlib.contextmanager
+def _progress_lines():
+    """The library's progress lines logged inside the block (INFO and above), each as
+    "<seconds since the block began> <message>": where a first call's time went, phases
+    inside phases included (`first_phases` has the outermost only)."""
+    import logging
+    from sppo_fx.util.log import ROOT
+    lines: list[str] = []
+    t0 = time.perf_counter()
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(f"{time.perf_counter() - t0:7.1f} {record.getMessage()}")
+
+    handler, logger = Keep(logging.INFO), logging.getLogger(ROOT)
+    level = logger.level
+    logger.setLevel(min(level, logging.INFO) if level else logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
     """Run one row in this process (one rank of it when stages > 1); its measurements."""
     from sppo_fx.models import build
@@ -158,10 +188,14 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     barrier = torch.distributed.barrier if compiled is not None and cfg.stages > 1 else (lambda: None)
     model.zero_grad(set_to_none=True)
-    t = time.perf_counter()
-    loss = step()
-    sync()
-    out["first_s"] = time.perf_counter() - t
+    with record_phases() as phases, _progress_lines() as lines:
+        t = time.perf_counter()
+        loss = step()
+        sync()
+        out["first_s"] = time.perf_counter() - t
+    if compiled is not None:
+        out["first_phases"] = [[name, round(s, 2)] for name, s in summarize(phases, out["first_s"])]
+        out["first_log"] = lines
     codegen = compiled.codegen if compiled is not None and compiled.options.compile and cfg.stages == 1 else None
     if codegen is not None:
         # chunk 0's Inductor program compiles in a forked child from its second call on

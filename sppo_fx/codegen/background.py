@@ -18,10 +18,17 @@ into them ("using FX to symbolically trace a dynamo-optimized function"). Withou
 (no FX graph cache, CUDA initialised) the compile runs here at the next call. A failed
 compile leaves chunk 0 on its op-by-op graphs, with a warning.
 
-Opt-in: `SPPO_FX_BACKGROUND_COMPILE=on`. Off by default: on the 2-core CPU machine the child's
-compile (about a minute) shares the cores with the training steps, and the demo's steps 1-4
-ran at 6.4 s with it against 1.6 s without (docs/first-call-and-caches.md), while chunk 0
-compiled was not measured faster than op by op in the steady state (0.98x, small, T = 2048).
+`SPPO_FX_BACKGROUND_COMPILE` = auto (the default) | on | off. `auto` compiles where the
+compile does not take the training step's cores (`auto_decision`): a CPU program whose
+usable cores exceed the step's intra-op threads (`torch.get_num_threads()`, times the local
+pipeline ranks), where a child
+can fork and Inductor's FX graph cache is on, and only while a core is free at the start
+(`forked.a_core_is_free`, checked again at each later call of chunk 0); or a CUDA program
+(the step runs on the GPU; no fork once CUDA is initialised, so the compile runs in this
+process at chunk 0's next call: that one step pays it). Off where the step's threads take
+every core: on the 2-core CPU machine (2 intra-op threads) the child's compile shared the
+cores with the training steps, and the demo's steps 1-4 ran at 6.4 s with it against 1.6 s
+without (docs/first-call-and-caches.md).
 """
 from __future__ import annotations
 
@@ -45,9 +52,66 @@ def wait_all(timeout: float | None = None) -> bool:
 _programs: weakref.WeakSet = weakref.WeakSet()  # every ExactProgram (`wait_all`)
 
 
-def enabled() -> bool:
-    """Whether chunk 0's exact-size programs are compiled in the background."""
-    return os.environ.get("SPPO_FX_BACKGROUND_COMPILE", "off").lower() in ("on", "1", "true", "yes")
+ENV = "SPPO_FX_BACKGROUND_COMPILE"
+_ON, _OFF = ("on", "1", "true", "yes"), ("off", "0", "false", "no")
+
+
+def setting() -> str:
+    """`SPPO_FX_BACKGROUND_COMPILE` as "auto" (unset or empty), "on" or "off"."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in _ON:
+        return "on"
+    if value in _OFF:
+        return "off"
+    from sppo_fx.errors import SppoError
+    raise SppoError(f"environment variable {ENV}={value!r}: set it to auto, on or off, or unset it (auto)")
+
+
+def auto_decision(device: str, usable_cores: int, threads: int, forks: bool, local_ranks: int = 1
+                  ) -> tuple[bool, str]:
+    """`auto`'s choice for a program on `device` ("cpu", "cuda", ...) whose step runs
+    `threads` intra-op threads in each of `local_ranks` processes on this machine (pipeline
+    ranks), with `usable_cores` cores for this process, where a child can (`forks`) or
+    cannot be forked for the compile: (on, why)."""
+    if device.startswith("cuda"):
+        return True, "the step runs on the GPU; the host compiles chunk 0 at its next call"
+    if not device.startswith("cpu"):
+        return False, f"no background compile for {device} programs"
+    if not forks:
+        return False, "no forked child (no os.fork, SPPO_FX_FORK=off or no FX graph cache): it would stall a step"
+    busy = threads * max(local_ranks, 1)
+    if usable_cores <= busy:
+        return False, (f"the step's {threads} intra-op threads x {local_ranks} local rank(s) take all "
+                       f"{usable_cores} usable cores: a child's compile would slow the steps")
+    return True, (f"{usable_cores} usable cores, {threads} intra-op threads x {local_ranks} local rank(s): "
+                  "a core is free for the child")
+
+
+def local_ranks() -> int:
+    """Training processes on this machine: torchrun's LOCAL_WORLD_SIZE, or WORLD_SIZE for
+    ranks started on one machine (`runtime.launch`: LOCAL_RANK without LOCAL_WORLD_SIZE),
+    else 1."""
+    for var in ("LOCAL_WORLD_SIZE",) + (("WORLD_SIZE",) if "LOCAL_RANK" in os.environ else ()):
+        try:
+            return max(int(os.environ[var]), 1)
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
+def enabled(device: str = "cpu") -> bool:
+    """Whether chunk 0's exact-size programs on `device` are compiled in the background
+    (`setting`; with "auto", `auto_decision` on this machine)."""
+    chosen = setting()
+    if chosen != "auto":
+        return chosen == "on"
+    from sppo_fx.util.forked import can_fork, usable_cpus
+    on, why = auto_decision(device, usable_cpus(), torch.get_num_threads(), can_fork() and _cache_on(),
+                            local_ranks())
+    log.debug("chunk 0's background compile (%s=auto): %s, %s", ENV, "on" if on else "off", why)
+    return on
 
 
 def fake_copies(tensors) -> list:
@@ -69,10 +133,13 @@ class ExactProgram:
             Inductor program, or background compiles are off).
         stats: the program's `CodegenStats` (calls and compiles are counted there).
         name: for messages.
+        device: the program's device type ("cpu", "cuda").
     """
 
-    def __init__(self, eager: Callable, compile: Callable | None, stats, name: str):
-        self.eager, self.compile, self.stats, self.name = eager, compile, stats, name
+    def __init__(self, eager: Callable, compile: Callable | None, stats, name: str, device: str = "cpu"):
+        self.eager, self.compile, self.stats, self.name, self.device = eager, compile, stats, name, device
+        self.started = False
+        self.next_check = 0.0  # monotonic time of the next look for a free core (`_may_start`)
         self.compiled: Callable | None = None
         self.child = None  # the forked child compiling into Inductor's cache
         self.job: Callable | None = None
@@ -88,10 +155,26 @@ class ExactProgram:
             self.stats.exact_compiled_calls += 1
             return fn(*tensors)
         self.calls += 1
-        if self.calls == 2 and self.compile is not None:
+        if self.calls >= 2 and self.compile is not None and self.job is None and self._may_start():
             self._start(tensors)  # the first call (its step) is over
         self.stats.exact_eager_calls += 1
         return self.eager(*tensors)
+
+    def _may_start(self) -> bool:
+        """Whether to start the compile now: once; under `auto` on a CPU, while a core is free
+        for the child (a machine busy with other work is asked again at the next call)."""
+        if self.started:
+            return False
+        if self.device.startswith("cpu") and setting() == "auto":
+            import time
+            from sppo_fx.util.forked import a_core_is_free
+            if time.monotonic() < self.next_check:
+                return False
+            if not a_core_is_free():  # ~40 ms of sampling: not at every call of a busy machine
+                self.next_check = time.monotonic() + RECHECK_S
+                return False
+        self.started = True
+        return True
 
     def _start(self, tensors) -> None:
         from sppo_fx.util.forked import ForkedChild, can_fork
@@ -157,6 +240,9 @@ def _cache_on() -> bool:
     from torch._inductor import config as inductor_config
     return bool(inductor_config.fx_graph_cache) and not inductor_config.force_disable_caches
 
+
+# Under auto, a busy machine (no core free for the child) is looked at again after this long
+RECHECK_S = 30.0
 
 # A forked compile still running this long ends itself (SIGALRM)
 CHILD_LIMIT_S = 7200

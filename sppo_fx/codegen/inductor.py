@@ -90,9 +90,16 @@ def _partitioner_class():
             self.fn = memory_partitioner(recompute, offload, records, grad_index)
 
         def __call__(self, gm, joint_inputs, **kw):
-            graphs = self.fn(gm, joint_inputs, **kw)
+            # the joint graph is traced: the progress lines split the compile into the
+            # trace (before this line), the partition and the two graphs' compiles
+            log.info("joint graph traced: %d nodes", len(gm.graph.nodes))
+            with phase("memory passes: partitioning the joint graph", log):
+                graphs = self.fn(gm, joint_inputs, **kw)
             if self.split is not None:  # the backward graph compiles in a forked child
                 self.split.fork(graphs[1])
+                if self.split.child.pid is not None and not self.split.in_child:
+                    log.info("the backward graph (%d nodes) compiles in forked process %d",
+                             len(graphs[1].graph.nodes), self.split.child.pid)
             return graphs
 
         def __reduce__(self):
@@ -124,15 +131,16 @@ def _inner_compile(what: str, offload: bool, split=None):
 
     def inner(gm, example_inputs, **kwargs):
         if kwargs.get("is_backward"):
-            with phase(f"{what} backward", log):
+            with phase(f"{what} backward ({len(gm.graph.nodes)} nodes)", log):
                 if split is not None:
                     return split.compile_backward(lambda: compile_fx_inner(gm, example_inputs, **kwargs))
                 return compile_fx_inner(gm, example_inputs, **kwargs)
         if split is not None and split.in_child:
             return split.forward_stub(gm)
-        if offload:
-            return _forward_without_buffer_reuse(gm, example_inputs, **kwargs)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+        with phase(f"{what} forward ({len(gm.graph.nodes)} nodes)", log):
+            if offload:
+                return _forward_without_buffer_reuse(gm, example_inputs, **kwargs)
+            return compile_fx_inner(gm, example_inputs, **kwargs)
     return inner
 
 
@@ -220,9 +228,10 @@ class CompiledProgram:
             handles are empty tensors for every chunk), or, in a program without one, by an
             empty tensor argument. Same partition, same memory passes; the results differ
             from Inductor's only by floating-point reassociation. From chunk 0's second call
-            on, Inductor compiles those exact-size programs on a background thread, and
-            chunk 0 runs Inductor's code once it is ready (`sppo_fx/codegen/background.py`),
-            so the steady step is compiled throughout.
+            on, a forked child compiles those exact-size programs with Inductor, and chunk 0
+            runs Inductor's code once it is ready (`sppo_fx/codegen/background.py`; where
+            `SPPO_FX_BACKGROUND_COMPILE`, auto by default, turns it on), so the steady step
+            is compiled throughout.
 
     Attributes:
         partitions: one `PartitionRecord` (forward graph, backward graph, offload slots)
@@ -303,10 +312,11 @@ class CompiledProgram:
                     return compiled(*tensors)
             return compiled(*tensors)
         from sppo_fx.codegen import background
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
         later = None
-        if self.backend == "inductor" and background.enabled():
+        if self.backend == "inductor" and background.enabled(device):
             later = functools.partial(self._compile_exact_later, with_constants(self.gm, args), grad_index)
-        program_ = background.ExactProgram(run, later, self.stats, f"{self.name} program")
+        program_ = background.ExactProgram(run, later, self.stats, f"{self.name} program", device)
         self._exact.append(program_)
         return program_
 

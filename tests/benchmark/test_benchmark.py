@@ -192,6 +192,13 @@ def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     assert minimum > 0 and budgeted["budget_bytes"] == math.ceil(1.5 * minimum)
     assert 0 < budgeted["predicted_peak_bytes"] <= budgeted["budget_bytes"]
     assert budgeted["predicted_step_s"] > 0 and "time_vs_predicted" in budgeted
+    # the first call by phase (the worker's `first_phases`), summing to it with "other"
+    phases = dict(budgeted["first_phases"])
+    assert any(name.startswith("solving the budget") for name in phases) and any(
+        name.startswith("other") for name in phases), phases
+    assert sum(phases.values()) == pytest.approx(budgeted["first_s"], abs=0.1)
+    run = next(r for r in record["runs"] if r["label"] == "sppo budget=min+50% recompute=none")
+    assert any("solving the budget" in line for line in run["first_log"])
     # a plan the solver did not choose is predicted by the same models
     fixed = rows["sppo chunks=2 recompute=none"]
     assert fixed["predicted_peak_bytes"] > 0 and fixed["predicted_step_s"] > 0 and "peak_vs_predicted" in fixed

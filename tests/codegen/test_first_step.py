@@ -219,13 +219,3 @@ def test_a_failed_background_compile_leaves_chunk_zero_op_by_op_and_exact(monkey
     s = compiled.codegen.stats
     assert (s.background_failures, s.background_compiles, s.exact_eager_calls, s.exact_compiled_calls) == (1, 0, 4, 0)
     assert asked == ["inductor"]
-
-
-def test_background_compiles_are_opt_in(monkeypatch):
-    """Off unless SPPO_FX_BACKGROUND_COMPILE turns them on: on a small CPU machine the
-    child's compile shares the cores with the training steps (docs/first-call-and-caches.md)."""
-    from sppo_fx.codegen import background
-    monkeypatch.delenv("SPPO_FX_BACKGROUND_COMPILE", raising=False)
-    assert not background.enabled()
-    monkeypatch.setenv("SPPO_FX_BACKGROUND_COMPILE", "on")
-    assert background.enabled()
