@@ -10,6 +10,13 @@ Where: `$SPPO_FX_CACHE_DIR/profiles/` (default `$XDG_CACHE_HOME/sppo_fx`, else
 figures depend on: the device (CPU model and core count, or the GPU's name), torch's thread
 count, and the filesystem of the offload directory (the disk tier's bandwidth).
 
+A CPU profile calibrated while other processes competed for the cores (`busy`) is stored
+as provisional: the figures are what a shared CPU did then (attention measured 10^4 times
+slower than idle was seen), and a plan chosen on them can run at 2-3x the step of one
+chosen on idle figures. The first later call that finds the machine idle calibrates again
+and replaces it; while the machine stays busy the provisional profile is used (and a
+warning says so once per process).
+
 Refresh (after a hardware change, or when the calibration ran on a busy machine):
 `SPPO_FX_RECALIBRATE=1` measures again and overwrites the file; `device_profile(...,
 refresh=True)` does the same from Python; deleting the directory forgets every profile.
@@ -98,26 +105,51 @@ def device_profile(device: str = "cpu", dir: str | None = None, refresh: bool | 
     key = profile_key(device, dir) if use_cache else None
     path = _path(key) if use_cache else None
     use_cache = path is not None
+    cores = os.cpu_count() or 1
+    load = None
     if use_cache and not refresh:
-        stored = _read(path, key)
-        if stored is not None:
+        stored, provisional = _read(path, key)
+        if stored is not None and provisional:
+            load = others_runnable()
+            if _busy(device, load, cores):
+                if path not in _warned_provisional:
+                    _warned_provisional.add(path)
+                    log.warning("device profile: using %s, calibrated while the machine was busy; it is "
+                                "measured again at the first call that finds the machine idle (now %.1f other "
+                                "runnable threads on %d cores)", path, load, cores)
+                return stored
+            log.info("device profile: %s was calibrated while the machine was busy; the machine is idle now "
+                     "(%s other runnable threads on %d cores): calibrating again", path,
+                     "?" if load is None else f"{load:.1f}", cores)
+        elif stored is not None:
             log.info("device profile: stored calibration %s (SPPO_FX_RECALIBRATE=1 measures again)", path)
             return stored
-    load = others_runnable()
+    if load is None:
+        load = others_runnable()
     with phase(f"calibrating the device profile ({device}, {CALIBRATE_SECONDS:g} s of matmuls, copies, disk)", log):
         profile = calibrate(device, seconds=CALIBRATE_SECONDS, dir=dir)
-    cores = os.cpu_count() or 1
     if load is not None:
         profile.source = f"{profile.source}; {load:.1f} other runnable threads on {cores} cores before calibrating"
-    if load is not None and str(device).startswith("cpu") and load >= BUSY_LOAD_PER_CORE * cores:
-        # the figures are what a shared CPU does now (calibration.calibrate): they outlive the
-        # load, so say so where the user looks when predicted step times are far off
+    busy = _busy(device, load, cores)
+    if busy:
+        # the figures are what a shared CPU does now (calibration.calibrate): stored as
+        # provisional, replaced at the first idle call; say so where the user looks when
+        # predicted step times are far off
         log.warning("calibrated the device profile while the machine was busy (%.1f other runnable threads on "
-                    "%d cores): its FLOP rate is low and step-time predictions will be too slow; refresh it on "
-                    "an idle machine with SPPO_FX_RECALIBRATE=1", load, cores)
+                    "%d cores): its FLOP rate is low and step-time predictions will be too slow; it is stored as "
+                    "provisional and measured again at the first call that finds the machine idle; or refresh it "
+                    "on an idle machine with SPPO_FX_RECALIBRATE=1", load, cores)
     if use_cache:
-        _write(path, key, profile)
+        _write(path, key, profile, provisional=busy)
     return profile
+
+
+_warned_provisional: set = set()
+
+
+def _busy(device: str, load: float | None, cores: int) -> bool:
+    """Whether other processes compete for a CPU's cores (a CUDA device's figures are the GPU's)."""
+    return load is not None and str(device).startswith("cpu") and load >= BUSY_LOAD_PER_CORE * cores
 
 
 def load_average() -> float | None:
@@ -129,29 +161,32 @@ def load_average() -> float | None:
         return None
 
 
-def _read(path: str, key: dict) -> DeviceProfile | None:
+def _read(path: str, key: dict) -> tuple[DeviceProfile | None, bool]:
+    """(the stored profile or None, whether it was stored as provisional: calibrated busy)."""
     try:
         data = json.loads(read_private(path))
         if not isinstance(data, dict) or not isinstance(data.get("profile"), dict):
             raise ValueError("not a stored device profile")
         if data.get("key") != key:
-            return None
+            return None, False
         profile = DeviceProfile.from_dict(data["profile"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         if not isinstance(e, FileNotFoundError):
             log.warning("ignoring the stored device profile %s (%s); calibrating again", path, e)
-        return None
+        return None, False
     except Exception as e:  # noqa: BLE001 - a stale file from another version (SppoError on fields)
         log.warning("ignoring the stored device profile %s (%s); calibrating again", path, e)
-        return None
+        return None, False
     profile.source = f"{profile.source}; stored in {path}"
-    return profile
+    return profile, data.get("provisional") is True
 
 
-def _write(path: str, key: dict, profile: DeviceProfile) -> None:
-    """Write atomically (another process may read or write the same file)."""
+def _write(path: str, key: dict, profile: DeviceProfile, provisional: bool = False) -> None:
+    """Write atomically (another process may read or write the same file); `provisional`:
+    calibrated on a busy machine, measured again at the first idle call."""
     try:
-        write_atomically(path, json.dumps({"key": key, "profile": profile.to_dict()}, indent=2).encode())
+        data = {"key": key, "profile": profile.to_dict(), "provisional": bool(provisional)}
+        write_atomically(path, json.dumps(data, indent=2).encode())
         log.info("device profile stored in %s", path)
     except OSError as e:
         log.warning("could not store the device profile in %s: %s", path, e)

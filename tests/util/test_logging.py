@@ -59,6 +59,10 @@ def test_budget_phases_logged_at_info_and_profile_stored(caplog, tmp_path, monke
     monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("SPPO_FX_RECALIBRATE", raising=False)
     monkeypatch.delenv("SPPO_FX_PROFILE_CACHE", raising=False)
+    from sppo_fx.solver import profile_cache
+    # an idle machine: a profile calibrated busy is provisional and measured again when idle
+    # (test_a_busy_calibration_is_measured_again_when_the_machine_is_idle)
+    monkeypatch.setattr(profile_cache, "others_runnable", lambda: 0.0)
     torch.manual_seed(0)
     model = build("llama", "tiny")
     x = torch.randint(0, 97, (1, 64))
@@ -108,3 +112,34 @@ def test_a_calibration_on_a_busy_cpu_is_flagged(caplog, tmp_path, monkeypatch):
         profile = profile_cache.device_profile("cpu", refresh=True)
         assert f"{load:.1f} other runnable threads on 2 cores" in profile.source
         assert ("on an idle machine with SPPO_FX_RECALIBRATE=1" in caplog.text) is busy, caplog.text
+
+
+def test_a_busy_calibration_is_measured_again_when_the_machine_is_idle(caplog, tmp_path, monkeypatch):
+    """A profile calibrated busy is stored as provisional: used while the machine stays busy
+    (not measured at every call), replaced at the first call that finds it idle, and an
+    idle calibration is kept however busy later calls find the machine."""
+    import dataclasses
+    import json
+
+    from sppo_fx.solver import profile_cache
+    from sppo_fx.solver.profiles import get_profile
+    monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SPPO_FX_RECALIBRATE", raising=False)
+    monkeypatch.delenv("SPPO_FX_PROFILE_CACHE", raising=False)
+    calls = []
+
+    def calibrate(*a, **k):
+        calls.append(a)
+        return dataclasses.replace(get_profile("h200"), name=f"calibration {len(calls)}", source="measured")
+    monkeypatch.setattr(profile_cache, "calibrate", calibrate)
+    monkeypatch.setattr(profile_cache.os, "cpu_count", lambda: 2)
+    caplog.set_level(logging.INFO, logger="sppo_fx")
+    got = []
+    for load in (3.1, 3.1, 2.5, 0.2, 3.1):
+        monkeypatch.setattr(profile_cache, "others_runnable", lambda load=load: load)
+        got.append(profile_cache.device_profile("cpu").name)
+    assert got == ["calibration 1", "calibration 1", "calibration 1", "calibration 2", "calibration 2"]
+    assert len(calls) == 2
+    (stored,) = (tmp_path / "profiles").glob("*.json")
+    assert json.loads(stored.read_text())["provisional"] is False
+    assert caplog.text.count("calibrated while the machine was busy; it is measured again") == 1  # warned once
