@@ -13,74 +13,8 @@ import tempfile
 import time
 
 from sppo_fx.errors import SppoError
+from sppo_fx.solver.clock_calibration import best_each
 from sppo_fx.solver.profiles import MiB, DeviceProfile
-
-def _timer(device):
-    """(start(), stop() -> seconds) measuring device work (CUDA events on CUDA)."""
-    import torch
-
-    if device.type == "cuda":
-        def start():
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-
-        def stop(ev):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            return ev.elapsed_time(end) / 1e3
-    else:  # CPU time with one thread: a core shared with another process (clock_calibration)
-        from sppo_fx.solver.clock_calibration import compute_timer
-        clock = compute_timer(device)
-
-        def start():
-            return clock()
-
-        def stop(t0):
-            return clock() - t0
-    return start, stop
-
-
-def _repeat(fn, budget_s: float, device, min_reps: int = 2, max_reps: int = 200) -> float:
-    """Best seconds per call of fn() within roughly `budget_s` (after one warm-up call)."""
-    start, stop = _timer(device)
-    fn()
-    if device.type == "cuda":
-        import torch
-        torch.cuda.synchronize(device)
-    best, spent, reps = float("inf"), 0.0, 0
-    t_end = time.perf_counter() + budget_s
-    while reps < min_reps or (time.perf_counter() < t_end and reps < max_reps):
-        t0 = start()
-        fn()
-        dt = stop(t0)
-        best, spent, reps = min(best, dt), spent + dt, reps + 1
-    return max(best, 1e-9)
-
-
-def _repeat_round_robin(fns, budget_s: float, device, min_rounds: int = 2, max_rounds: int = 500) -> list[float]:
-    """Best seconds per call of each fn, measured in interleaved rounds within ~`budget_s`.
-
-    Interleaving spreads transient contention (other processes) over all the functions
-    instead of penalising whichever ran during it.
-    """
-    start, stop = _timer(device)
-    for fn in fns:
-        fn()
-    if device.type == "cuda":
-        import torch
-        torch.cuda.synchronize(device)
-    best = [float("inf")] * len(fns)
-    t_end = time.perf_counter() + budget_s
-    rounds = 0
-    while rounds < min_rounds or (time.perf_counter() < t_end and rounds < max_rounds):
-        for i, fn in enumerate(fns):
-            t0 = start()
-            fn()
-            best[i] = min(best[i], stop(t0))
-        rounds += 1
-    return [max(t, 1e-9) for t in best]
 
 
 def _fit_saturating(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -235,7 +169,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         dtype, d, token_counts = torch.float32, 512, [32, 128, 512, 1024]
     w = torch.randn(d, d, dtype=dtype, device=dev)
     xs = [torch.randn(n, d, dtype=dtype, device=dev) for n in token_counts]
-    times = _repeat_round_robin([functools.partial(torch.mm, x, w) for x in xs], 0.45 * seconds, dev)
+    times = best_each([functools.partial(torch.mm, x, w) for x in xs], 0.45 * seconds, device=dev)
     rates = [2.0 * n * d * d / dt for n, dt in zip(token_counts, times)]
     # The model is monotone in n; a larger chunk can always run as the smaller one did, so
     # noise (a busy machine) is smoothed with a running maximum before the fit.
@@ -249,14 +183,14 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         nbytes = 256 * MiB
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         devbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        d2h = nbytes / _repeat(lambda: host.copy_(devbuf, non_blocking=True), copy_budget, dev)
-        h2d = nbytes / _repeat(lambda: devbuf.copy_(host, non_blocking=True), copy_budget, dev)
+        d2h = nbytes / best_each([lambda: host.copy_(devbuf, non_blocking=True)], copy_budget, max_rounds=200, device=dev)[0]
+        h2d = nbytes / best_each([lambda: devbuf.copy_(host, non_blocking=True)], copy_budget, max_rounds=200, device=dev)[0]
         del host, devbuf
     else:
         nbytes = 64 * MiB
         src = torch.ones(nbytes, dtype=torch.uint8)
         dst = torch.empty(nbytes, dtype=torch.uint8)
-        h2d = d2h = nbytes / _repeat(lambda: dst.copy_(src), 2 * copy_budget, dev)
+        h2d = d2h = nbytes / best_each([lambda: dst.copy_(src)], 2 * copy_budget, max_rounds=200, device=dev)[0]
         del src, dst
 
     # Disk.

@@ -1,8 +1,8 @@
 """Measuring the clock's figures (`solver.clock.Clock`) on this machine, for
 `calibration.calibrate`: what one op, one disk-tier file and one attention pair cost.
 
-Each figure is the best of interleaved repetitions (`calibration`'s approach: transient load
-from other processes slows some repetitions, never speeds one up). Compute figures (matmul,
+Each figure is the best of interleaved repetitions (`best_each`, which `calibration` times
+with too: transient load from other processes slows some repetitions, never speeds one up). Compute figures (matmul,
 memcpy, attention) on a CPU with one torch thread are timed in the process's CPU time
 (`compute_timer`): a repetition longer than the scheduler's slice on a core shared with
 another process is slowed in wall time however many repetitions run (attention figures
@@ -30,24 +30,56 @@ def compute_timer(device=None):
     return time.perf_counter
 
 
-def _best(fn, reps: int, budget_s: float, timer=time.perf_counter) -> float:
-    """Best seconds of fn() by `timer` over at least `reps` calls within about `budget_s`."""
-    return _best_each([fn], reps, budget_s, timer)[0]
+def stopwatch(device=None, timer=None):
+    """(start(), stop(token) -> seconds) that time work on `device`: CUDA events on a CUDA
+    device (the GPU's time, not the launch's), else `timer` (default `compute_timer(device)`)."""
+    if device is not None and getattr(device, "type", device) == "cuda":
+        import torch
+
+        def start():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+
+        def stop(ev):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return ev.elapsed_time(end) / 1e3
+        return start, stop
+    clock = compute_timer(device) if timer is None else timer
+    return clock, lambda t0: clock() - t0
 
 
-def _best_each(fns, reps: int, budget_s: float, timer=time.perf_counter) -> list[float]:
-    """Best seconds of each fn() by `timer`, in at least `reps` interleaved rounds within
-    about `budget_s` of wall time (interleaved: a burst of load hits all alike)."""
+def best_each(fns, budget_s: float, *, min_rounds: int = 2, max_rounds: int = 500, device=None,
+              timer=None) -> list[float]:
+    """Best seconds per call of each fn, in at least `min_rounds` interleaved rounds (at most
+    `max_rounds`) within about `budget_s` of wall time, after one warm-up call each.
+
+    The one timing primitive of the calibration: transient load from other processes slows
+    some repetitions and never speeds one up, so the best is the figure; interleaving makes a
+    burst of load hit every function alike rather than whichever ran during it. Timed by
+    `stopwatch(device, timer)`.
+    """
+    start, stop = stopwatch(device, timer)
     for fn in fns:
         fn()
+    if device is not None and getattr(device, "type", device) == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
     best, t_end, n = [float("inf")] * len(fns), time.perf_counter() + budget_s, 0
-    while n < reps or (time.perf_counter() < t_end and n < 50 * reps):
+    while n < min_rounds or (time.perf_counter() < t_end and n < max_rounds):
         for i, fn in enumerate(fns):
-            t0 = timer()
+            t0 = start()
             fn()
-            best[i] = min(best[i], timer() - t0)
+            best[i] = min(best[i], stop(t0))
         n += 1
-    return best
+    return [max(t, 1e-9) for t in best]
+
+
+def _best(fn, reps: int, budget_s: float, timer=time.perf_counter) -> float:
+    """Best seconds of fn() by `timer` over at least `reps` calls within about `budget_s`."""
+    return best_each([fn], budget_s, min_rounds=reps, max_rounds=50 * reps, timer=timer)[0]
 
 
 def op_seconds(budget_s: float = 0.1) -> float:
@@ -215,7 +247,7 @@ def attention_figures(device, budget_s: float = 0.3) -> tuple[float, float, tupl
     # distorts most (128 queries on one head came out 1.2x and 2.1x in two loaded rounds)
     wide = {n: heads * max(1, c // n) for n in SIZE_QUERIES}
     fns += [_attention_pass(device, n, 3 * n, 32, wide[n]) for n in SIZE_QUERIES if n != c]
-    times = _best_each(fns, 3, budget_s, timer)
+    times = best_each(fns, budget_s, min_rounds=3, max_rounds=150, timer=timer)
     k, m = len(ATTENTION_DIMS), len(SQUARE_QUERIES)
 
     def per_pair(t, n, prefix, h=heads):

@@ -217,12 +217,11 @@ def test_compute_is_timed_in_cpu_time_on_one_thread():
     import time
     import torch
     from sppo_fx.solver import clock_calibration as cc
-    from sppo_fx.solver.calibration import _timer
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert cc._best(lambda: time.sleep(0.02), 2, 0.0, cc.compute_timer()) < 0.01
-        start, stop = _timer(torch.device("cpu"))
+        start, stop = cc.stopwatch(torch.device("cpu"))  # what calibration.calibrate times with
         t0 = start()
         time.sleep(0.02)
         assert stop(t0) < 0.01
@@ -230,6 +229,30 @@ def test_compute_is_timed_in_cpu_time_on_one_thread():
         assert cc.compute_timer() is time.perf_counter
     finally:
         torch.set_num_threads(threads)
+
+
+def test_best_each_interleaves_warms_up_and_keeps_the_best():
+    # the calibration's one timing primitive (solver.clock_calibration.best_each): a warm-up
+    # call each, then rounds a, b, a, b (a burst of load hits both alike), the best repetition
+    import itertools
+    from sppo_fx.solver import clock_calibration as cc
+    calls, ticks = [], itertools.count()
+    slow_first = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 7.0, 4.0])}
+    now = [0.0]
+
+    def timer():
+        next(ticks)
+        return now[0]
+
+    def fn(name):
+        def run():
+            calls.append(name)
+            if len(calls) > 2:  # the warm-ups are not timed
+                now[0] += next(slow_first[name])
+        return run
+    best = cc.best_each([fn("a"), fn("b")], 0.0, min_rounds=3, timer=timer)
+    assert calls == ["a", "b"] + ["a", "b"] * 3
+    assert best == [1.0, 2.0]
 
 
 # ---------------------------------------------------------------- the element-wise term
