@@ -178,6 +178,7 @@ class Zygote:
                 if proc is not None:
                     proc._exited(msg["code"])
                 cpu_seconds[0] += msg.get("cpu_s", 0.0)
+                _log_line({"exit": msg["exit"], "code": msg["code"], "cpu_s": msg.get("cpu_s")})
             else:
                 self._replies.put(msg)
         self.alive = False
@@ -278,14 +279,17 @@ def close_all() -> None:
         z.close()
 
 
-def _log(cmd, env, how, why="") -> None:
+def _log(cmd, env, how, why="", pid=None) -> None:
     counts[how] += 1
+    _log_line({"how": how, "why": why, "pid": pid, "cmd": [os.path.basename(c) for c in cmd[:2]] + cmd[2:3],
+               "rank": (env or {}).get("RANK")})
+
+
+def _log_line(row: dict) -> None:
     path = os.environ.get(LOG_ENV)
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "how": how, "why": why,
-                                "cmd": [os.path.basename(c) for c in cmd[:2]] + cmd[2:3],
-                                "rank": (env or {}).get("RANK")}) + "\n")
+            f.write(json.dumps({"t": time.time(), "test_pid": os.getpid(), **row}) + "\n")
 
 
 def _unforkable(cmd, env, kwargs) -> str | None:
@@ -348,14 +352,15 @@ def start_process(cmd: list[str], *, env: dict | None = None, **kwargs):
                 err, err_r = _stream_fd(kwargs.get("stderr"), 2, opened)
             reads = [r for r in (out_r, err_r) if r is not None]
             zygote = _zygote_for(env)
-            pid = zygote.fork(cmd, dict(env), kwargs.get("cwd") and os.fspath(kwargs["cwd"]), [stdin, out, err])
+            cwd = os.fspath(kwargs["cwd"]) if kwargs.get("cwd") else os.getcwd()  # Popen's child starts in ours
+            pid = zygote.fork(cmd, dict(env), cwd, [stdin, out, err])
         finally:
             for fd in opened:  # the child has its own copies now (or there is no child)
                 os.close(fd)
         if isinstance(pid, int):
             proc = ForkedProcess(cmd, pid, _wrap(out_r, kwargs), _wrap(err_r, kwargs))
             zygote.adopt(proc)
-            _log(cmd, env, "fork")
+            _log(cmd, env, "fork", pid=pid)
             return proc
         for r in reads:
             os.close(r)

@@ -123,6 +123,7 @@ def _child(req, fds, closing) -> None:
         path = os.path.abspath(req["argv"][1])
         sys.argv = list(req["argv"][1:])  # argv[0] as given, __file__ absolute (as python does)
         sys.path[0] = os.path.dirname(os.path.realpath(path))  # as `python script.py` sets it
+        importlib.invalidate_caches()  # files written since the zygote's imports (a fresh one has no cache)
         import random
         random.seed()  # a fresh interpreter's state, not the zygote's (copied to every child)
         if "numpy" in sys.modules:

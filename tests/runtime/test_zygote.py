@@ -82,6 +82,14 @@ def test_a_forked_rank_sees_its_argv_env_cwd_streams_and_exit_code(script, tmp_p
 
 
 @pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
+def test_without_cwd_a_rank_starts_in_the_callers_directory(script, monkeypatch):
+    monkeypatch.chdir(script.parent)
+    p, seen, _err = _run([sys.executable, "rank_script.py"])
+    assert seen["forked_torch"] and p.returncode == 0
+    assert seen["cwd"] == str(script.parent) and seen["file"] == str(script)
+
+
+@pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
 def test_stderr_to_stdout_and_devnull(script):
     p = _start([sys.executable, str(script)], stderr=subprocess.STDOUT)
     out, err = p.communicate(timeout=300)
