@@ -155,10 +155,13 @@ def test_an_import_time_variable_gets_a_fresh_interpreters_value(script):
 
 
 def test_commands_other_than_a_script_start_a_fresh_interpreter(script, monkeypatch):
+    for name in ("-c", "-u", "sh"):  # files by those names: only the command's form may send it to Popen
+        (script.parent / name).write_text("print('ran the file')")
+    (script.parent / "sh").chmod(0o755)
     for cmd in ([sys.executable, "-c", "import sys; print('torch' in sys.modules)"],
                 [sys.executable, "-u", str(script)], ["env", "A=1", sys.executable, str(script)],
-                [sys.executable, str(script) + ".missing"]):
-        p = _start(cmd)
+                ["sh", "-c", "exit 0"], [sys.executable, str(script) + ".missing"]):
+        p = _start(cmd, cwd=script.parent)
         assert isinstance(p, subprocess.Popen), cmd
         p.communicate(timeout=300)
     monkeypatch.setenv(zygote.ENV, "0")
