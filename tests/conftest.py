@@ -26,6 +26,14 @@ _HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
 if os.path.isdir(_HELPERS) and _HELPERS not in sys.path:
     sys.path.insert(0, _HELPERS)
 
+# Rank launches (`start_local_ranks`) fork their ranks from a process that has already
+# imported torch, sppo_fx and transformers (tests/helpers/zygote.py) rather than start fresh
+# interpreters that import them again; SPPO_TEST_FORK_RANKS=0 turns it off (docs/testing.md).
+import zygote  # noqa: E402
+
+if zygote.enabled():
+    zygote.install()
+
 
 def tiny_program(kind):
     """(model, Captured, ChunkedProgram) of the tiny `kind` model widened so that its saved

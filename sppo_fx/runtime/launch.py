@@ -7,8 +7,30 @@ import os
 import socket
 import subprocess
 import time
+from typing import Any, Protocol
 
 LOOPBACK = "127.0.0.1"
+
+
+class ProcessStarter(Protocol):
+    """How `start_local_ranks` starts one rank: called as `starter(cmd, env=env, **popen_kwargs)`
+    and returning a `subprocess.Popen` or an object with its interface (pid, poll, wait,
+    communicate, kill, terminate, send_signal, returncode, stdout, stderr)."""
+
+    def __call__(self, cmd: list[str], *, env: dict[str, str], **popen_kwargs: Any) -> Any: ...
+
+
+_starter: ProcessStarter = subprocess.Popen
+
+
+def set_process_starter(starter: ProcessStarter | None) -> ProcessStarter:
+    """Replace how `start_local_ranks` starts each rank process (None: `subprocess.Popen`,
+    the default) and return the previous starter. For test suites that start many short
+    launches: tests/helpers/zygote.py forks ranks from a process that has already imported
+    torch. A starter must give each rank what a fresh `cmd` process with `env` would see."""
+    global _starter
+    previous, _starter = _starter, (subprocess.Popen if starter is None else starter)
+    return previous
 
 
 def listening_store(addr: str, port: int, timeout_s: float):
@@ -65,7 +87,8 @@ def start_local_ranks(cmd: list[str], world: int, capture: bool = True, **popen_
 
     Returns:
         The processes, rank 0 first, with the store. Each has one OpenMP thread, as under
-        torchrun.
+        torchrun. Each is started by `subprocess.Popen` unless `set_process_starter` chose
+        another starter.
     """
     procs = LocalRanks()
     procs.store = loopback_store()
@@ -75,7 +98,7 @@ def start_local_ranks(cmd: list[str], world: int, capture: bool = True, **popen_
         env = dict(os.environ, MASTER_ADDR=LOOPBACK, MASTER_PORT=str(procs.store.port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
                    TORCHELASTIC_USE_AGENT_STORE="True")  # join this process's store, as under torchrun
-        procs.append(subprocess.Popen(cmd, env=env, **popen_kwargs))
+        procs.append(_starter(cmd, env=env, **popen_kwargs))
     return procs
 
 
