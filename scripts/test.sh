@@ -15,11 +15,5 @@ bash scripts/setup.sh
 # worker (tests/chunk_attention/test_chunk_attention.py, whose Triton subprocesses start once per worker).
 # Tests that start rank processes may run beside another test; their peer timeouts allow
 # for that.
-# torch's fake-tensor dispatch cache off (TORCH_FAKE_TENSOR_DISPATCH_CACHE=1 turns it back on):
-# the suite is torch.export of hundreds of tiny models, each a fresh ShapeEnv whose symbolic
-# cache misses cost more than they save (the development tier ran in 141 s against 195 s).
-# The exported graphs are the same either way (tests/e2e/test_fake_tensor_cache.py); the
-# library itself keeps torch's default, which a model that repeats its layers gains from.
-exec env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-    TORCH_FAKE_TENSOR_DISPATCH_CACHE="${TORCH_FAKE_TENSOR_DISPATCH_CACHE:-0}" .venv/bin/python -m pytest -q \
+exec env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest -q \
     -n "${SPPO_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -1,4 +1,4 @@
-"""The suite's fake-tensor setting is neutral: `scripts/test.sh` runs with torch's fake-tensor
+"""Torch's fake-tensor dispatch cache is neutral to capture: with it off (TORCH_FAKE_TENSOR_DISPATCH_CACHE=0,
 dispatch cache off (TORCH_FAKE_TENSOR_DISPATCH_CACHE=0, a third faster on tiny models), while
 the library and its users keep torch's default (on). Capture must give the same program either
 way, or the suite would test graphs users never get: the exported graph (each node's op,
