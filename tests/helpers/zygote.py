@@ -48,6 +48,7 @@ SAFE_VARS = frozenset({
     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "PYTEST_CURRENT_TEST",
     "SPPO_FX_CACHE_DIR", "SPPO_FX_MEMORY_MODEL_CACHE", "SPPO_FX_PROFILE_CACHE", "SPPO_FX_FORK",
     "SPPO_FX_RECALIBRATE", "SPPO_FX_LOG_PASSES", "SPPO_FX_BACKGROUND_COMPILE",
+    "SPPO_TEST_FORK_RANKS", "SPPO_TEST_FORK_LOG",  # read by the test process only
 })
 _ALLOWED_KWARGS = {"stdin", "stdout", "stderr", "text", "universal_newlines", "encoding", "errors", "cwd", "bufsize"}
 

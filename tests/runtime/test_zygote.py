@@ -46,6 +46,16 @@ def script(tmp_path):
     return path
 
 
+@pytest.fixture
+def zygote_on(monkeypatch):
+    """The zygote starts the ranks here, whatever SPPO_TEST_FORK_RANKS says for the rest of
+    the suite's launches: these tests are about the zygote itself."""
+    monkeypatch.setenv(zygote.ENV, "1")
+    previous = launch.set_process_starter(zygote.start_process)
+    yield
+    launch.set_process_starter(previous)
+
+
 def _start(cmd, env=None, **kw):
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
@@ -66,7 +76,7 @@ def test_the_suite_starts_ranks_with_the_zygote():
         assert launch._starter is subprocess.Popen
 
 
-@pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
+@pytest.mark.usefixtures("zygote_on")
 def test_a_forked_rank_sees_its_argv_env_cwd_streams_and_exit_code(script, tmp_path):
     p, seen, err = _run([sys.executable, "sub/rank_script.py", "7", "x y"], {"RANK": "5", "MASTER_ADDR": "é-host"},
                         cwd=tmp_path)
@@ -81,7 +91,7 @@ def test_a_forked_rank_sees_its_argv_env_cwd_streams_and_exit_code(script, tmp_p
     assert err == "to stderr\n"
 
 
-@pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
+@pytest.mark.usefixtures("zygote_on")
 def test_without_cwd_a_rank_starts_in_the_callers_directory(script, monkeypatch):
     monkeypatch.chdir(script.parent)
     p, seen, _err = _run([sys.executable, "rank_script.py"])
@@ -89,7 +99,7 @@ def test_without_cwd_a_rank_starts_in_the_callers_directory(script, monkeypatch)
     assert seen["cwd"] == str(script.parent) and seen["file"] == str(script)
 
 
-@pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
+@pytest.mark.usefixtures("zygote_on")
 def test_stderr_to_stdout_and_devnull(script):
     p = _start([sys.executable, str(script)], stderr=subprocess.STDOUT)
     out, err = p.communicate(timeout=300)
@@ -98,7 +108,7 @@ def test_stderr_to_stdout_and_devnull(script):
     assert p.communicate(timeout=300) == (None, None) and p.returncode == 0
 
 
-@pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
+@pytest.mark.usefixtures("zygote_on")
 def test_an_exception_exits_1_with_the_scripts_traceback(script):
     p, seen, err = _run([sys.executable, str(script), "raise"])
     assert seen["forked_torch"] and p.returncode == 1
@@ -108,7 +118,7 @@ def test_an_exception_exits_1_with_the_scripts_traceback(script):
     assert err.rstrip().endswith("ValueError: boom from the script")
 
 
-@pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
+@pytest.mark.usefixtures("zygote_on")
 def test_wait_times_out_and_kill_ends_the_rank(script):
     p = _start([sys.executable, str(script), "sleep"])
     assert json.loads(p.stdout.readline())["forked_torch"]
@@ -135,7 +145,7 @@ def _state(pid):
         return None
 
 
-@pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
+@pytest.mark.usefixtures("zygote_on")
 def test_an_import_time_variable_gets_a_fresh_interpreters_value(script):
     """PYTHONHASHSEED is read when the interpreter starts: a rank asked for it gets the hash
     a fresh interpreter with it has, from another zygote (not the one without it)."""
@@ -169,7 +179,7 @@ def test_commands_other_than_a_script_start_a_fresh_interpreter(script, monkeypa
     assert isinstance(p, subprocess.Popen) and not seen["forked_torch"]
 
 
-@pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
+@pytest.mark.usefixtures("zygote_on")
 def test_local_ranks_get_the_rendezvous_environment(tmp_path):
     path = tmp_path / "ranks.py"
     path.write_text(textwrap.dedent("""
@@ -182,7 +192,7 @@ def test_local_ranks_get_the_rendezvous_environment(tmp_path):
     assert outs == [[str(r), "2", str(procs.store.port), "True"] for r in range(2)]
 
 
-@pytest.mark.skipif(not zygote.enabled(), reason="SPPO_TEST_FORK_RANKS=0")
+@pytest.mark.usefixtures("zygote_on")
 def test_the_zygotes_ranks_die_with_it(script):
     """No rank outlives its zygote (PR_SET_PDEATHSIG), nor the zygote its pytest process."""
     p = _start([sys.executable, str(script), "sleep"], {"ZYGOTE_SCOPE": "killed"})  # a zygote of its own
