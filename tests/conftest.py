@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+from sppo_fx.runtime.launch import set_process_starter
 from sppo_fx.util.compat import symbolic_dispatch
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -31,8 +33,23 @@ if os.path.isdir(_HELPERS) and _HELPERS not in sys.path:
 # interpreters that import them again; SPPO_TEST_FORK_RANKS=0 turns it off (docs/testing.md).
 import zygote  # noqa: E402
 
-if zygote.enabled():
-    zygote.install()
+# The suite's rank processes run torch's fake-tensor dispatch cache off (unless the test's
+# env sets TORCH_FAKE_TENSOR_DISPATCH_CACHE): a rank exports a tiny model once, in a fresh
+# process, so nearly every op misses the cache, and a miss costs more than it saves (as in
+# tests/fuzz/runner.py). The pytest workers keep torch's default: they export the same models
+# test after test and hit it. Measured in docs/testing.md; the product keeps torch's default.
+RANK_ENV_DEFAULTS = {"TORCH_FAKE_TENSOR_DISPATCH_CACHE": "0"}
+
+
+def start_rank(cmd, *, env=None, **kwargs):
+    """`start_local_ranks`'s starter in the suite: `RANK_ENV_DEFAULTS` under the rank's env,
+    forked from a zygote (SPPO_TEST_FORK_RANKS, read at each launch) or started by Popen."""
+    env = {**RANK_ENV_DEFAULTS, **(os.environ if env is None else env)}
+    start = zygote.start_process if zygote.enabled() else subprocess.Popen
+    return start(cmd, env=env, **kwargs)
+
+
+set_process_starter(start_rank)
 
 
 def tiny_program(kind):
