@@ -69,11 +69,14 @@ def _run(cmd, env=None, timeout=300, **kw):
     return p, json.loads(out.splitlines()[0]) if out.strip() else None, err
 
 
-def test_the_suite_starts_ranks_with_the_zygote():
-    if zygote.enabled():
-        assert launch._starter is zygote.start_process
-    else:
-        assert launch._starter is subprocess.Popen
+def test_the_suite_starts_ranks_with_the_zygote(script, tmp_path):
+    # the suite's starter (tests/conftest.py start_rank) forks from the zygote unless
+    # SPPO_TEST_FORK_RANKS=0 turns it off
+    p = launch._starter([sys.executable, "sub/rank_script.py", "0"], env=dict(os.environ), stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    _out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert isinstance(p, zygote.ForkedProcess) == zygote.enabled()
 
 
 @pytest.mark.usefixtures("zygote_on")
