@@ -1,8 +1,8 @@
 """Rank processes forked from a "zygote" that has already imported torch, sppo_fx and
 transformers, instead of fresh interpreters that import them again (2.5-5 CPU-s a rank).
 
-`install()` (tests/conftest.py, unless SPPO_TEST_FORK_RANKS=0) makes it the process starter
-of `sppo_fx.runtime.launch.start_local_ranks`. `start_process(cmd, env=..., **popen_kwargs)`
+tests/conftest.py's `start_rank` (the process starter of
+`sppo_fx.runtime.launch.start_local_ranks`) calls it unless SPPO_TEST_FORK_RANKS=0. `start_process(cmd, env=..., **popen_kwargs)`
 forks the rank from a zygote (tests/helpers/zygote_server.py; one per pytest process and
 import-time environment, started on first use) when it can give the rank what
 `subprocess.Popen(cmd, env=env, ...)` would, and calls `subprocess.Popen` otherwise:
@@ -55,11 +55,6 @@ _ALLOWED_KWARGS = {"stdin", "stdout", "stderr", "text", "universal_newlines", "e
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def install() -> None:
-    from sppo_fx.runtime.launch import set_process_starter
-    set_process_starter(start_process)
 
 
 def import_env(env: dict) -> frozenset:
