@@ -1,9 +1,10 @@
-"""Torch's fake-tensor dispatch cache is neutral to capture: a faster suite was tried with it
-off (TORCH_FAKE_TENSOR_DISPATCH_CACHE=0; docs/testing.md), while users keep torch's default.
-The exported graph (each node's op, target, arguments and symbolic shape; node names differ,
-since the cache changes FX's name counters) and the chunked loss and gradients are compared
-with the cache on and off, on Hugging Face models whose capture takes different paths (SDPA,
-written-out attention, an MoE router)."""
+"""Torch's fake-tensor dispatch cache is neutral to capture: the suite's rank processes run
+with it off (tests/conftest.py `start_rank`; docs/testing.md), while users keep torch's
+default, so capture must give the same program either way. The exported graph (each node's
+op, target, arguments and symbolic shape; node names differ, since the cache changes FX's name
+counters) and the chunked loss and gradients are compared with the cache on and off, on
+Hugging Face models whose capture takes different paths (SDPA, written-out attention, an MoE
+router)."""
 from __future__ import annotations
 
 import os
