@@ -3,8 +3,9 @@ transformers, instead of fresh interpreters that import them again (2.5-5 CPU-s 
 
 tests/conftest.py's `start_rank` (the process starter of
 `sppo_fx.runtime.launch.start_local_ranks`) calls it unless SPPO_TEST_FORK_RANKS=0.
-`start_process(cmd, env=..., **popen_kwargs)` forks the rank from a zygote (tests/helpers/zygote_server.py; one per pytest process and
-import-time environment, started on first use) when it can give the rank what
+`start_process(cmd, env=..., **popen_kwargs)` forks the rank from a zygote
+(tests/helpers/zygote_server.py; one per pytest process and import-time environment,
+started on first use) when it can give the rank what
 `subprocess.Popen(cmd, env=env, ...)` would, and calls `subprocess.Popen` otherwise:
 
 - `cmd` is `[sys.executable, script, ...]` with an existing script file (not `-m`, `-c`,
