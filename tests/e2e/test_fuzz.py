@@ -285,8 +285,8 @@ class Harness:
                 # and device tiers keep CPU tensors where they are: peak_bytes_on_device)
                 moved = max(store.peak_bytes_offloaded, store.peak_bytes_on_device)
                 on_disk = store.peak_bytes_offloaded
-                # a handle released while its write still runs gives its bytes back when the
-                # write ends (a saved tensor the backward freed unread): wait for the writes,
+                # a handle released while its write or read still runs gives its bytes back when
+                # the copy ends (a saved tensor the backward freed unread): wait for the copies,
                 # so that only bytes that never come back count (a leak still fails)
                 store.settle()
                 left = store.bytes_on_device + store.bytes_offloaded

@@ -112,6 +112,29 @@ def test_read_waits_for_write(tmp_path):
         assert _bitwise_equal(out, t)
 
 
+def test_settle_waits_for_a_released_handles_read(tmp_path):
+    """A prefetch whose handle is released before its read ends (a saved tensor the backward
+    freed unread) holds its read-back bytes until the read ends: settle waits for it, so the
+    counters then hold no bytes (the fuzz harness's "every byte came back" check raced it)."""
+    gate = threading.Event()
+
+    def hook(what):
+        if what == "read":
+            assert gate.wait(10)
+
+    with ActivationStore("disk", dir=str(tmp_path)) as store:
+        store.delay_hook = hook
+        h = store.offload(torch.randn(592))
+        store.synchronize()
+        store.prefetch(h)
+        h.release()
+        del h
+        threading.Timer(0.2, gate.set).start()
+        store.settle()
+        assert store.bytes_on_device + store.bytes_offloaded == 0
+        assert os.listdir(store.dir) == []
+
+
 def test_stress_many_concurrent_handles_with_slow_copies(tmp_path):
     rng = random.Random(1234)
 

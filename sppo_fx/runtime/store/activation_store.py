@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import torch
 
 from sppo_fx.errors import SppoError
-from sppo_fx.runtime.store.core import _Core, _discard, profiled
+from sppo_fx.runtime.store.core import _Core, _discard, _read_done, profiled
 from sppo_fx.runtime.store.disk import DiskTier
 from sppo_fx.runtime.store.host import HostTier
 from sppo_fx.runtime.store.records import StoreError, _fmt_bytes, _Record
@@ -248,7 +248,9 @@ class ActivationStore:
         with core.lock:
             if rec.read_future is not None or rec.state == "ready":
                 return
-            rec.read_future = core.submit(core.reader, core.read_task, rec)
+            rec.read_future = fut = core.submit(core.reader, core.read_task, rec)
+            core.reads.add(fut)
+        fut.add_done_callback(lambda f, core=core: _read_done(core, f))
 
     def wait(self, handle: Handle) -> torch.Tensor:
         """Block until the handle's data is back on its device and return it.
@@ -332,13 +334,15 @@ class ActivationStore:
         self._check()
 
     def settle(self) -> None:
-        """Block until every write issued so far has finished, raising nothing.
+        """Block until every copy issued so far has finished, writes then reads, raising nothing.
 
         For a failing step: once it has released its handles, this waits out their copies
         still running, so their files are gone before the step's error reaches the caller
-        and no write of the failed step fails a later one."""
+        and no write of the failed step fails a later one. A released handle's read (a
+        prefetch the backward never waited for) gives its bytes back when it ends, so after
+        this the store's counters hold only live handles' bytes."""
         with self._core.lock:
-            pending = list(self._core.pending)
+            pending = list(self._core.pending) + list(self._core.reads)
         for f in pending:
             try:
                 with profiled("sppo::copy_wait"):

@@ -45,6 +45,7 @@ class _Core:
         self.streams = None  # (d2h stream, h2d stream) per CUDA device, created lazily
         self.pending: dict[Future, int] = {}  # write futures not finished yet -> bytes, oldest first
         self.pending_bytes = 0
+        self.reads: set[Future] = set()  # read futures not finished yet (prefetches included)
 
     def submit(self, pool: ThreadPoolExecutor, fn, rec: _Record, *args) -> Future:
         """Run fn(rec, *args) on `pool`; afterwards drop rec's data if it was released meanwhile."""
@@ -220,3 +221,8 @@ class _Core:
 def _discard(core: _Core, fut: Future):
     with core.lock:
         core.pending_bytes -= core.pending.pop(fut, 0)
+
+
+def _read_done(core: _Core, fut: Future):
+    with core.lock:
+        core.reads.discard(fut)
