@@ -69,14 +69,20 @@ def _run(cmd, env=None, timeout=300, **kw):
     return p, json.loads(out.splitlines()[0]) if out.strip() else None, err
 
 
-def test_the_suite_starts_ranks_with_the_zygote(script, tmp_path):
-    # the suite's starter (tests/conftest.py start_rank) forks from the zygote unless
-    # SPPO_TEST_FORK_RANKS=0 turns it off
+def test_the_suite_starts_ranks_with_the_zygote(script, tmp_path, monkeypatch):
+    # the suite's starter (tests/conftest.py start_rank) hands the rank to the zygote unless
+    # SPPO_TEST_FORK_RANKS=0 turns it off; the zygote logs each rank it is handed, and may
+    # still start it by Popen for a logged reason (e.g. a zygote with OpenMP threads)
+    log = tmp_path / "fork.log"
+    monkeypatch.setenv(zygote.LOG_ENV, str(log))
     p = launch._starter([sys.executable, "sub/rank_script.py", "0"], env=dict(os.environ), stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     _out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
-    assert isinstance(p, zygote.ForkedProcess) == zygote.enabled()
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    rows = [r for r in rows if "how" in r]  # the start, not the exit
+    assert len(rows) == (1 if zygote.enabled() else 0)
+    assert isinstance(p, zygote.ForkedProcess) == (bool(rows) and rows[0]["how"] == "fork")
 
 
 @pytest.mark.usefixtures("zygote_on")
