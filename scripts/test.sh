@@ -15,5 +15,9 @@ bash scripts/setup.sh
 # worker (tests/chunk_attention/test_chunk_attention.py, whose Triton subprocesses start once per worker).
 # Tests that start rank processes may run beside another test; their peer timeouts allow
 # for that.
-exec env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest -q \
+# One Inductor compile thread per process: with both cores already busy, Inductor's default
+# pool of compile workers (a fresh interpreter started in every process that compiles, ~4
+# CPU-s each) adds start-up work and no parallelism.
+exec env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}" \
+    .venv/bin/python -m pytest -q \
     -n "${SPPO_TEST_WORKERS:-2}" --dist loadgroup "$@"
