@@ -25,7 +25,7 @@ from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.plan import Plan
 from sppo_fx.solver.clock import ELEMENTWISE_BACKWARD, Clock, StepTerms, attention_seconds, overhead_seconds
 from sppo_fx.solver.memory_model import (MemoryModel, chunk_starts, copy_window, predict_peak,
-                                         streamed_block_counts, streamed_skeleton)
+                                         skeleton_passes_of, streamed_block_counts, streamed_skeleton)
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
 from sppo_fx.util.units import mib_below_and_above, parse_bytes
 
@@ -64,21 +64,22 @@ def _shared_copy_seconds(nbytes: float, bw: float, cache) -> float:
 
 def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
                   skeleton_reads=None, copies_share_compute: bool = False, cache=None, clock=None,
-                  tensors: int = 0, skeleton_blocks=None) -> float:
+                  tensors: int = 0, skeleton_blocks=None, skeleton_passes: int = 2) -> float:
     """Predicted step seconds (`step_terms`' total)."""
     return step_terms(cost, lengths, ratios, l2, rate, c_half, bw, recompute_fraction, skeleton_reads,
-                      copies_share_compute, cache, clock, tensors, skeleton_blocks).total
+                      copies_share_compute, cache, clock, tensors, skeleton_blocks, skeleton_passes).total
 
 
 def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
                skeleton_reads=None, copies_share_compute: bool = False, cache=None, clock=None,
-               tensors: int = 0, skeleton_blocks=None) -> StepTerms:
+               tensors: int = 0, skeleton_blocks=None, skeleton_passes: int = 2) -> StepTerms:
     """The step's predicted seconds by term (`solver.clock`): compute, attention (by the
     calibrated pair cost where `clock` has one, else inside compute's FLOPs), element-wise
     (bytes per token at the clock's element-wise bandwidth), exposed copy,
     overheads (`clock`'s per-op and per-file costs; `tensors`: saved tensors a chunk
     offloads, one file each; `skeleton_blocks`: blocks each chunk streams per site and pass,
-    times sites, two files each)."""
+    times sites, two files each). `skeleton_passes`: how often a streamed skeleton is read
+    per step (`memory_model.skeleton_passes`: 3 where the recompute calls attention again)."""
     clock = clock or Clock()
     starts = chunk_starts(lengths)
     scale = 1 + cost.backward_factor + recompute_fraction
@@ -96,15 +97,15 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
         f += clock.elementwise_seconds(cost, c) / (1 + ELEMENTWISE_BACKWARD)  # the forward's share
         fwd.append(f)
     files = sum(2 * tensors for a in ratios if a > 0)  # written, then read back
-    reads_n = 2 * sum(skeleton_blocks or ())  # forward and backward
+    reads_n = skeleton_passes * sum(skeleton_blocks or ())  # forward, backward (and a recompute)
     # a streamed skeleton on disk: one file per step, one in-order read per stream (chunk,
     # site, pass), `runtime.skeleton_log`; its blocks' attention calls stay per block
-    streams = 2 * sum(1 for b in (skeleton_blocks or ()) if b)
+    streams = skeleton_passes * sum(1 for b in (skeleton_blocks or ()) if b)
     terms.overhead = overhead_seconds(cost, len(lengths), files + streams + (1 if reads_n else 0), reads_n, clock,
                                       recompute_fraction)
     if copies_share_compute:  # a CPU: every copy runs on the cores the compute uses
         written = sum(a * x for a, x in zip(ratios, l2))
-        read = written + 2 * sum(skeleton_reads or ())  # a streamed prefix is read in fwd and bwd
+        read = written + skeleton_passes * sum(skeleton_reads or ())  # a streamed prefix: read every pass
         terms.exposed_copy = _shared_copy_seconds(written, bw, cache) + _shared_copy_seconds(read, bw, cache)
         return terms
     stall = 0.0
@@ -118,6 +119,8 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
     for i, read in enumerate(skeleton_reads or ()):
         # an offloaded skeleton: chunk i reads its whole prefix back in forward and in backward
         stall += max(read / bw - fwd[i], 0.0) + max(read / bw - fwd[i] * cost.backward_factor, 0.0)
+        if skeleton_passes > 2:  # the recomputed forward reads it again, hidden by that forward
+            stall += max(read / bw - fwd[i], 0.0)
     terms.exposed_copy = stall
     return terms
 
@@ -219,7 +222,8 @@ def _plan_for(cost, model: MemoryModel, lengths, budget, rate, bandwidth, c_half
     reads = streamed_skeleton(model, lengths)[1] if skeleton == "offload" else None
     terms = step_terms(cost, lengths, ratios, l2, rate, c_half, bandwidth, model.recompute_fraction, reads,
                        copies_share_compute, cache, clock, model.tensors,
-                       streamed_block_counts(model, lengths) if skeleton == "offload" else None)
+                       streamed_block_counts(model, lengths) if skeleton == "offload" else None,
+                       skeleton_passes_of(model.recompute))
     return BudgetPlan(lengths, ratios, peak, terms.total, model.recompute, skeleton, window, terms), floor
 
 

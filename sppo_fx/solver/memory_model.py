@@ -273,6 +273,14 @@ def streamed_block_counts(mem: MemoryModel, lengths: list[int]) -> list[int]:
     return [max(1, mem.sites) * i for i in range(len(lengths))]
 
 
+def skeleton_passes_of(policy: str) -> int:
+    """How often a streamed K/V skeleton is read per step under a recompute policy: in the
+    forward, in the backward, and once more where the policy recomputes attention ("full":
+    the recomputed forward calls each chunk's prefix attention again; "cheap" keeps
+    attention's outputs)."""
+    return 3 if policy == "full" else 2
+
+
 def recompute_fraction(chunk_cost, policy: str) -> float:
     """Extra forward work of a recompute policy, as a fraction of the chunk's forward FLOPs
     (at the cost model's example chunk): "full" recomputes all of it, "cheap" the nodes

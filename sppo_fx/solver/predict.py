@@ -10,7 +10,7 @@ from __future__ import annotations
 from sppo_fx.solver.partition import ChunkCostModel
 from sppo_fx.plan import Plan
 from sppo_fx.solver.budget import step_terms
-from sppo_fx.solver.memory_model import MemoryModel, predict_peak, streamed_block_counts
+from sppo_fx.solver.memory_model import MemoryModel, predict_peak, skeleton_passes_of, streamed_block_counts
 from sppo_fx.solver.clock import Clock
 
 
@@ -58,5 +58,6 @@ def predict_terms(cost: ChunkCostModel, memory: MemoryModel, plan: Plan, *, offl
     terms = step_terms(cost, lengths, ratios, l2, profile.flops_per_s, profile.n_half, bandwidth,
                        memory.recompute_fraction, reads, copies_share_compute=device == "cpu", cache=cache,
                        clock=Clock.of(profile, compiled, tier=offload), tensors=memory.tensors,
-                       skeleton_blocks=streamed_block_counts(memory, lengths) if skeleton == "offload" else None)
+                       skeleton_blocks=streamed_block_counts(memory, lengths) if skeleton == "offload" else None,
+                       skeleton_passes=skeleton_passes_of(memory.recompute))
     return int(peak), float(terms.total), terms

@@ -113,6 +113,44 @@ def test_streamed_skeleton_blocks_still_cost_their_attention_calls():
     assert overhead(16) / overhead(8) == pytest.approx(16 * 15 / (8 * 7))
 
 
+def test_a_full_recompute_streams_the_skeleton_a_third_time():
+    """Recompute "full" calls every chunk's prefix attention again in the backward, so a
+    streamed skeleton is read in three passes, not two: its blocks' calls and ops, its read
+    tasks and its bytes (`memory_model.skeleton_passes_of`)."""
+    from sppo_fx.solver.memory_model import skeleton_passes_of
+    assert [skeleton_passes_of(p) for p in ("none", "cheap", "full")] == [2, 2, 3]
+    n, clock = 8, Clock(op_seconds=1e-6, attention_call_seconds=1e-4, file_seconds=1e-3)
+    lengths, blocks, reads = [T // n] * n, [2 * i for i in range(n)], [1e6 * i for i in range(n)]
+
+    def terms(passes, skeleton=True):
+        return step_terms(COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, 1.0, reads if skeleton else None,
+                          copies_share_compute=True, clock=clock, skeleton_blocks=blocks if skeleton else None,
+                          skeleton_passes=passes)
+    base = terms(2, skeleton=False)
+    two, three = terms(2), terms(3)
+    # everything the stream adds (minus the one file per step) grows by half
+    assert three.overhead - base.overhead - 1e-3 == pytest.approx(1.5 * (two.overhead - base.overhead - 1e-3))
+    assert three.exposed_copy == pytest.approx(1.5 * two.exposed_copy)
+
+
+def test_the_solver_charges_a_full_recomputes_third_skeleton_pass():
+    """The same plan under a "full" model costs more than under a model that recomputes as
+    much but keeps attention's outputs: only the skeleton's third pass differs."""
+    from sppo_fx.solver.budget import _plan_for
+    cheap_as_full = MemoryModel(level1=FULL.level1, level2=FULL.level2, fixed_bytes=FULL.fixed_bytes, sites=2,
+                                recompute="cheap", recompute_fraction=1.0, tensors=4)
+    clock = Clock(op_seconds=1e-6, attention_call_seconds=1e-4, file_seconds=1e-3)
+    lengths = [T // 16] * 16
+
+    def step(model):
+        plan, _floor = _plan_for(COST, model, lengths, 1 << 40, 1e11, 1e9, 0.0, "offload", clock=clock,
+                                 copies_share_compute=True)
+        return plan.terms
+    full, cheap = step(FULL), step(cheap_as_full)
+    assert full.overhead > cheap.overhead and full.exposed_copy > cheap.exposed_copy
+    assert full.compute == pytest.approx(cheap.compute) and full.attention == pytest.approx(cheap.attention)
+
+
 def test_the_plan_prints_its_predicted_terms():
     chosen = _solve(40 << 20, 1e9, Clock(op_seconds=1e-4))
     plan = budget_plan(T, chosen, 40 << 20, "disk")
