@@ -62,14 +62,6 @@ def _shared_copy_seconds(nbytes: float, bw: float, cache) -> float:
     return cached / cache[0] + (nbytes - cached) / bw
 
 
-def _step_seconds(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
-                  skeleton_reads=None, copies_share_compute: bool = False, cache=None, clock=None,
-                  tensors: int = 0, skeleton_blocks=None, skeleton_passes: int = 2) -> float:
-    """Predicted step seconds (`step_terms`' total)."""
-    return step_terms(cost, lengths, ratios, l2, rate, c_half, bw, recompute_fraction, skeleton_reads,
-                      copies_share_compute, cache, clock, tensors, skeleton_blocks, skeleton_passes).total
-
-
 def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
                skeleton_reads=None, copies_share_compute: bool = False, cache=None, clock=None,
                tensors: int = 0, skeleton_blocks=None, skeleton_passes: int = 2) -> StepTerms:
@@ -79,7 +71,7 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
     overheads (`clock`'s per-op and per-file costs; `tensors`: saved tensors a chunk
     offloads, one file each; `skeleton_blocks`: blocks each chunk streams per site and pass,
     times sites, two files each). `skeleton_passes`: how often a streamed skeleton is read
-    per step (`memory_model.skeleton_passes`: 3 where the recompute calls attention again)."""
+    per step (`memory_model.skeleton_passes_of`: 3 where the recompute calls attention again)."""
     clock = clock or Clock()
     starts = chunk_starts(lengths)
     scale = 1 + cost.backward_factor + recompute_fraction
