@@ -43,7 +43,7 @@ def test_chunk_zero_skips_inductor_only_with_later_chunks(monkeypatch, tmp_path,
     second Inductor graph). One Dynamo compile, for Inductor; chunk 0 traced at its sizes."""
     asked = _record_backends(monkeypatch)
     torch.manual_seed(0)
-    model = build("llama", "tiny")
+    model = build("llama", "tiny", n_layers=1)
     x = torch.randint(0, 97, (1, 48))
     model(x, x).backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -66,7 +66,7 @@ def test_chunk_zero_traced_at_its_sizes_then_one_dynamic_program(monkeypatch):
     assert EXACT_SIZES == 2
     asked = _record_backends(monkeypatch)
     torch.manual_seed(0)
-    model = build("llama", "tiny")
+    model = build("llama", "tiny", n_layers=1)
     compiled = sppo_fx.compile(model, chunk_lengths=[16, 16], compile=True)
     seen = []
     for lengths in ([16, 16], [12, 20], [8, 24], [20, 12], [12, 20]):
@@ -103,7 +103,7 @@ def test_a_compiled_first_call_starts_inductors_cpu_probe_on_another_thread(monk
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: called.append(threading.current_thread().name))
     _record_backends(monkeypatch)
     torch.manual_seed(0)
-    model = build("llama", "tiny")
+    model = build("llama", "tiny", n_layers=1)
     x = torch.randint(0, 97, (1, 16))
     sppo_fx.compile(model, chunks=2, compile=True)(x, x).backward()
     inductor._cpu_probe.join(30)
@@ -134,7 +134,7 @@ def test_a_budgeted_first_call_starts_the_probe_after_the_memory_model(monkeypat
                         lambda *a, **k: (real_profile(*a, **k), events.append("device profile"))[0])
     _record_backends(monkeypatch)
     torch.manual_seed(0)
-    model = build("llama", "tiny")
+    model = build("llama", "tiny", n_layers=1)
     x = torch.randint(0, 97, (1, 64))
     sppo_fx.compile(model, budget="64MiB", compile=True)(x, x).backward()
     inductor._cpu_probe.join(30)
@@ -164,7 +164,7 @@ def test_chunk_zero_runs_compiled_code_once_the_background_compile_is_done(monke
     monkeypatch.setenv("SPPO_FX_BACKGROUND_COMPILE", "on")  # tests/conftest.py turns it off
     asked = _record_backends(monkeypatch)
     torch.manual_seed(0)
-    model = build("llama", "tiny")
+    model = build("llama", "tiny", n_layers=1)
     x = torch.randint(0, 97, (1, 48))
     extra = dict(offload="disk", skeleton="offload", offload_dir=str(tmp_path)) if skeleton == "offload" else {}
     compiled = sppo_fx.compile(model, chunks=3, compile=True, **extra)
@@ -187,7 +187,7 @@ def test_background_compiles_off_keep_chunk_zero_op_by_op(monkeypatch):
     monkeypatch.setenv("SPPO_FX_BACKGROUND_COMPILE", "off")
     asked = _record_backends(monkeypatch)
     torch.manual_seed(0)
-    model = build("llama", "tiny")
+    model = build("llama", "tiny", n_layers=1)
     x = torch.randint(0, 97, (1, 32))
     compiled = sppo_fx.compile(model, chunks=2, compile=True)
     _steps_against_eager(model, compiled, x, 3)
@@ -212,7 +212,7 @@ def test_a_failed_background_compile_leaves_chunk_zero_op_by_op_and_exact(monkey
 
     monkeypatch.setattr(CompiledProgram, "_compile", failing)
     torch.manual_seed(0)
-    model = build("llama", "tiny")
+    model = build("llama", "tiny", n_layers=1)
     x = torch.randint(0, 97, (1, 32))
     compiled = sppo_fx.compile(model, chunks=2, compile=True)
     _steps_against_eager(model, compiled, x, 4, lambda step: compiled.codegen.wait_background(120))
