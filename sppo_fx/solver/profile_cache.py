@@ -70,13 +70,16 @@ def profile_key(device: str, dir: str | None = None) -> dict:
         hardware = torch.cuda.get_device_name(index)
     else:
         hardware = f"{_cpu_model()} x{os.cpu_count()}"
+    # the disk figures belong to the offload directory's filesystem, not to the directory:
+    # two directories on one filesystem share a profile (a directory that cannot be read yet
+    # is keyed by its path)
     target = os.path.realpath(dir or tempfile.gettempdir())
     try:
-        filesystem = os.stat(target).st_dev
+        disk = f"filesystem {os.stat(target).st_dev}"
     except OSError:
-        filesystem = target
+        disk = target
     return {"device": dev.type, "hardware": hardware, "threads": torch.get_num_threads(),
-            "disk": f"{target} (dev {filesystem})", "host": platform.node(), "version": 5}
+            "disk": disk, "host": platform.node(), "version": 5}
 
 
 def _path(key: dict) -> str | None:

@@ -105,3 +105,26 @@ def test_calibrate_cpu(tmp_path):
 def test_calibrate_cuda_without_cuda():
     with pytest.raises(SppoError, match="CUDA is not available"):
         calibrate("cuda")
+
+
+def test_offload_directories_on_one_filesystem_share_a_stored_profile(tmp_path, monkeypatch):
+    # the disk figures are the filesystem's: a new offload directory on it (a test's
+    # tmp_path, a run's scratch directory) must not calibrate the machine again
+    from sppo_fx.solver import profile_cache
+    monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPPO_FX_PROFILE_CACHE", raising=False)
+    monkeypatch.delenv("SPPO_FX_RECALIBRATE", raising=False)
+    calls = []
+    measured = DeviceProfile("measured", 1e9, 1e9, 1e9, 1e9, 1e9, 1 << 30)
+    monkeypatch.setattr(profile_cache, "calibrate", lambda *a, **k: calls.append(k.get("dir")) or measured)
+    monkeypatch.setattr(profile_cache, "others_runnable", lambda: 0.0)
+    first, second = tmp_path / "run1", tmp_path / "run2"
+    first.mkdir()
+    second.mkdir()
+    assert profile_cache.device_profile("cpu", dir=str(first)).name == "measured"
+    assert profile_cache.device_profile("cpu", dir=str(second)).name == "measured"
+    assert calls == [str(first)]  # measured once, read back for the second directory
+    other = "/dev/shm"
+    if not os.path.isdir(other) or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a filesystem other than the temp dir's")
+    assert profile_cache.profile_key("cpu", other) != profile_cache.profile_key("cpu", str(first))
