@@ -52,6 +52,19 @@ def start_rank(cmd, *, env=None, **kwargs):
 set_process_starter(start_rank)
 
 
+# the tiny models widened so that their saved activations pass the 64 KiB offload threshold
+WIDE = {"gpt": {"n_embd": 128}, "llama": {"dim": 128, "ffn_dim": 256}}
+
+
+def tiny_model(kind, layers=1):
+    """A fresh widened tiny `kind` model (seed 0), `layers` blocks deep: a test whose checks
+    do not depend on depth traces one block's chunk programs (Dynamo and AOTAutograd, or
+    Inductor's kernels) instead of `tiny_program`'s two."""
+    from sppo_fx.models import build
+    torch.manual_seed(0)
+    return build(kind, "tiny", **WIDE[kind], **{"n_layer" if kind == "gpt" else "n_layers": layers})
+
+
 def tiny_program(kind):
     """(model, Captured, ChunkedProgram) of the tiny `kind` model widened so that its saved
     activations pass the offload threshold; built once per session and shared between
@@ -84,7 +97,7 @@ def _tiny_program(kind):
     from sppo_fx.capture import capture
     from sppo_fx.models import build
     from sppo_fx.passes import transform
-    model = build(kind, "tiny", **({"n_embd": 128} if kind == "gpt" else {"dim": 128, "ffn_dim": 256}))
+    model = build(kind, "tiny", **WIDE[kind])
     x = torch.randint(0, 97, (2, 64))
     cap = capture(model, None, None, (x, x), {}, None, 1)
     return model, cap, transform(cap)[1]

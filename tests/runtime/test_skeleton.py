@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SHARES_OFFLOAD_PROGRAMS, offload_program, tiny_program
+from conftest import SHARES_OFFLOAD_PROGRAMS, offload_program, tiny_model, tiny_program
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -156,7 +156,7 @@ def test_memory_without_a_skeleton_says_what_is_missing():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_offloaded_skeleton_matches_eager(kind, tmp_path):
-    model, _, _ = tiny_program(kind)
+    model = tiny_model(kind)
     torch.manual_seed(1)
     x, y = torch.randint(0, 97, (2, 96)), torch.randint(0, 97, (2, 96))
     ref = model(x, y)

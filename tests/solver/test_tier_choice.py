@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import tiny_program
+from conftest import tiny_model
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -152,7 +152,7 @@ def test_auto_on_cpu_offloads_to_disk_and_stays_exact(tmp_path):
     """End to end under a budget with the default offload="auto" on CPU: the plan picks
     disk, the store is the disk tier, bytes reach the disk, and loss and gradients match
     the eager model."""
-    model, _, _ = tiny_program("llama")
+    model = tiny_model("llama")
     x, y = torch.randint(0, 97, (2, 512)), torch.randint(0, 97, (2, 512))
     ref = model(x, y)
     ref.backward()
