@@ -290,7 +290,7 @@ def test_one_trace_partitioned_per_policy_equals_a_trace_per_policy(monkeypatch,
     monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path))  # a cold memory model cache: every call traces
     monkeypatch.setenv("SPPO_FX_FORK", "off")  # both traces in this process, where they are counted
     torch.manual_seed(0)
-    model = build("gpt", "tiny")
+    model = build("gpt", "tiny", n_layer=1)  # a policy's saved set is per block: one shows it
     x = torch.randint(0, model.config.vocab_size, (1, 64))
     cap = capture(model, None, None, (x, x), {}, None, 1)
     program = transform(cap)[1]
