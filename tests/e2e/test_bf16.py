@@ -17,6 +17,7 @@ import torch
 
 import sppo_fx
 from sppo_fx.models import build
+from conftest import tiny_model
 
 FLOOR = 1e-3
 
@@ -81,8 +82,7 @@ def test_fp32_model_under_bf16_autocast_within_twice_eager_error(kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False], ids=["bf16-model"])  # autocast: same path, ~1 min more
 def test_bf16_offload_is_bitwise_neutral(autocast, tmp_path):
-    torch.manual_seed(0)
-    model = build("llama", "tiny", dim=128, ffn_dim=256, n_layers=1)  # neutrality is per saved tensor
+    model = tiny_model("llama")  # one block: neutrality is per saved tensor
     if not autocast:
         model = model.to(torch.bfloat16)
     x, y = _data(seq=256)  # saved activations above the store's 64 KiB threshold in bf16 too

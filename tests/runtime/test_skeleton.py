@@ -209,9 +209,7 @@ def test_random_plans_with_the_skeleton_on_disk_are_bitwise_neutral(tmp_path_fac
 
 @pytest.mark.slow
 def test_offloaded_skeleton_under_inductor_matches_eager(tmp_path):
-    # one block (the shared tiny program has two): Inductor's cold compile is most of the test
-    torch.manual_seed(0)
-    model = build("llama", "tiny", dim=128, ffn_dim=256, n_layers=1)
+    model = tiny_model("llama")  # one block: Inductor's cold compile is most of the test
     torch.manual_seed(2)
     x, y = torch.randint(0, 97, (1, 128)), torch.randint(0, 97, (1, 128))
     ref = model(x, y)

@@ -209,10 +209,9 @@ def test_every_saved_tensor_on_disk_through_the_api(tmp_path):
 
 @pytest.mark.slow
 def test_budget_api_plans_offload_and_stays_exact(tmp_path):
-    torch.manual_seed(0)
     # one block: the plan and its exactness do not depend on depth; the chunk program's
     # trace (Dynamo and AOTAutograd, twice) grows with it
-    model = build("llama", "tiny", dim=128, ffn_dim=256, n_layers=1)
+    model = tiny_model("llama")
     x, y = torch.randint(0, 97, (1, 512)), torch.randint(0, 97, (1, 512))
     ref = model(x, y)
     ref.backward()

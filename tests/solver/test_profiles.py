@@ -124,7 +124,16 @@ def test_offload_directories_on_one_filesystem_share_a_stored_profile(tmp_path, 
     assert profile_cache.device_profile("cpu", dir=str(first)).name == "measured"
     assert profile_cache.device_profile("cpu", dir=str(second)).name == "measured"
     assert calls == [str(first)]  # measured once, read back for the second directory
-    other = "/dev/shm"
-    if not os.path.isdir(other) or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
-        pytest.skip("needs /dev/shm on a filesystem other than the temp dir's")
-    assert profile_cache.profile_key("cpu", other) != profile_cache.profile_key("cpu", str(first))
+    # a directory on another filesystem (its device number differs) gets a profile of its own
+    real_stat, other = os.stat, tmp_path / "mounted"
+    other.mkdir()
+
+    def stat(path, *args, **kwargs):
+        got = real_stat(path, *args, **kwargs)
+        if os.fspath(path) != str(other):
+            return got
+        fields = list(got)
+        fields[2] += 1  # st_dev
+        return os.stat_result(fields)
+    monkeypatch.setattr(os, "stat", stat)
+    assert profile_cache.profile_key("cpu", str(other)) != profile_cache.profile_key("cpu", str(second))
