@@ -10,10 +10,10 @@
 #   2 test_cuda   tests/gpu/test_cuda.py (Triton kernels, host-tier store, offload, Inductor,
 #                 the flash split, a world-size-1 NCCL group)
 #   3 attention   bench/attention.py on a few prefixes (flash split and Triton vs SDPA flash)
-#   4 memory      bench/memory.py --device cuda --dtype bf16, llama-bench, T=16384
+#   4 memory      bench/memory.py --device cuda --dtype bf16 --sppo-compile, llama-bench, T=16384
 #                 (per-configuration lines as they finish; results also in $OUT/memory.json)
 # Then $OUT/summary.txt: step, exit code (124 = timed out), seconds.
-# Worst case (every step at its timeout) 7 min (415 s); expected ~6 min.
+# Worst case (every step at its timeout) 7.5 min (450 s); expected ~6 min.
 # Invoke as `bash scripts/gpu_check.sh` if the copy may have lost the executable bit.
 set -u
 : "${OUT:?set OUT to the folder the logs go to}"
@@ -108,10 +108,13 @@ run_step 02_test_cuda 150 python3 -m pytest tests/gpu/test_cuda.py tests/e2e/tes
 [ -n "${SKIP_ATTENTION:-}" ] || \
 run_step 03_attention 45 python3 bench/attention.py --prefixes 0,8192,32768 --warmup 2 --iters 5 --kv-heads 8
 
-# eager first (the budgets are fractions of its peak), then the sppo rows, baselines last
-run_step 04_memory 205 python3 bench/memory.py --device cuda --dtype bf16 --size bench --seq-len 16384 --steps 3 \
-    --configs "${MEMORY_CONFIGS:-eager,sppo-25%,sppo,compile,sppo-50%,checkpoint,compile-amb}" \
-    --worker-timeout 60 --json "$OUT/memory.json"
+# eager first (the budgets are fractions of its peak), then the sppo rows, baselines last.
+# The sppo rows compile their chunk programs with Inductor, as sppo_fx.compile does by
+# default (op by op, a step is launch-bound on a GPU: 0.50 s against eager's 0.10 s).
+SPPO_FX_LOG=info \
+run_step 04_memory 240 python3 bench/memory.py --device cuda --dtype bf16 --size bench --seq-len 16384 --steps 3 \
+    --sppo-compile --configs "${MEMORY_CONFIGS:-eager,sppo-25%,compile,sppo,checkpoint,compile-amb}" \
+    --worker-timeout 100 --json "$OUT/memory.json"
 
 # (the CPU suite under this torch runs on the CPU machines; no step here)
 

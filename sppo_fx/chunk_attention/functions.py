@@ -79,8 +79,9 @@ def _autocast_like_sdpa(*tensors):
     on its lower-precision list): the kernels below are not autocast ops themselves, and a
     model whose q/k leave RoPE in float32 while v is bfloat16 would pass them mixed dtypes."""
     dev = tensors[0].device.type
-    # the cost model runs this on "meta" tensors, which have no autocast
-    if not torch.amp.is_autocast_available(dev) or not torch.is_autocast_enabled(dev):
+    # The cost model runs this on "meta" tensors, which have no autocast. Not
+    # torch.amp.is_autocast_available: torch 2.11's Dynamo refuses to trace it.
+    if dev == "meta" or not torch.is_autocast_enabled(dev):
         return tensors
     dtype = torch.get_autocast_dtype(dev)
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)

@@ -190,12 +190,31 @@ def _attention_pass(device, c: int, p: int, d: int, heads: int = 4):
     q = torch.randn(1, heads, c, d, device=device, dtype=dtype)
     k, v = (torch.randn(1, heads, p + c, d, device=device, dtype=dtype) for _ in range(2))
     scale, ops = 1 / math.sqrt(d), torch.ops.sppo_fx
+    if device.type == "cuda":
+        return _flash_split_pass(q, k, v, p, scale)
 
     def run():
         out, lse = ops.chunk_attention_fwd(q, k, v, scale, True)
         ops.chunk_attention_bwd(out, q, k, v, out, lse, None, scale, True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    return run
+
+
+def _flash_split_pass(q, k, v, p: int, scale: float):
+    """On CUDA a bf16 chunk program's attention is the flash split (docs/gpu.md), forward and
+    backward through its autograd function; the Triton ops above would time another kernel
+    and autotune each shape, a minute of the first call."""
+    import torch
+    from sppo_fx.chunk_attention.kernels.flash_split import flash_split_attention
+    q = q.requires_grad_()
+    k, v = (t.requires_grad_() for t in (k, v))
+    grad = torch.ones_like(q)
+
+    def run():
+        out = flash_split_attention(q, k[:, :, :p], k[:, :, p:], v[:, :, :p], v[:, :, p:], scale)
+        q.grad, k.grad, v.grad = torch.autograd.grad(out, (q, k, v), grad)
+        torch.cuda.synchronize(q.device)
     return run
 
 

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sppo_fx.util import compat as _compat
 from sppo_fx.chunk_attention.functions import prefix_causal_attention
 from sppo_fx.chunk_attention.kernels import flash_split
-from sppo_fx.chunk_attention.kernels.flash_split import flash_split_attention, flash_split_supported
+from sppo_fx.chunk_attention.kernels.flash_split import (cuda_environment_reason, flash_split_attention,
+                                                         flash_split_supported)
 
 
 def _reference(q, k_prefix, k, v_prefix, v, scale=None):
@@ -251,3 +252,27 @@ def test_attention_bench_runs_on_cpu(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if "flash split" in line]
     assert len(rows) == 2 and not any("error" in r for r in rows), rows
     assert all(float(r.rstrip("| ").rsplit("|", 1)[-1]) < 1e-5 for r in rows), rows  # fp32 on CPU
+
+
+def test_cuda_environment_is_read_once_while_dynamo_traces(monkeypatch):
+    """Dynamo cannot trace `torch.backends.cuda.flash_sdp_enabled()` (a bool from a torch.*
+    op; on the GPU machine's torch 2.11 this broke every compiled chunk program on CUDA):
+    the environment check runs at trace time and its answer is a constant of the graph."""
+    monkeypatch.setattr(_compat, "cuda_capability", lambda device: (9, 0))
+
+    def route(x):
+        return x * 2 if cuda_environment_reason(0) is None else x * 3
+    torch._dynamo.reset()
+    compiled = torch.compile(route, fullgraph=True, backend="eager")
+    assert compiled(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_prefix_attention_traces_as_one_graph_on_cpu():
+    """The routing in front of the kernels (autocast's dtype, the flash capability check)
+    traces without a graph break; torch 2.11's Dynamo refuses
+    `torch.amp.is_autocast_available`, which the routing used to call."""
+    q, k_prefix, k, v_prefix, v = _inputs(4, 4, 2, 2)
+    torch._dynamo.reset()
+    compiled = torch.compile(prefix_causal_attention, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k_prefix, k, v_prefix, v),
+                               prefix_causal_attention(q, k_prefix, k, v_prefix, v), atol=0, rtol=0)

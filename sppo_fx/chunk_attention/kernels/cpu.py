@@ -38,19 +38,20 @@ def cpu_flash_forward(q: Tensor, parts, scale: Optional[float]) -> Tuple[Tensor,
     Returns (out in the kernel's layout and q's dtype, lse [b, h, c] float32). Grouped-query
     K/V (h_kv < h) go to the kernel as they are: it maps query heads to K/V heads itself."""
     fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out = acc = lse = None
+    out = lse = None
     for k, v, causal in parts:
         o, l = fwd(q, k, v, 0.0, causal, scale=scale)
         if out is None:
             out, lse = o, l
             continue
         new = torch.logaddexp(lse, l)
-        if acc is None:  # merge in float32 (the kernel's own accumulation type)
-            acc = out.float() if out.dtype != torch.float32 else out
-        acc = acc.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o.float() * torch.exp(l - new).unsqueeze(-1))
+        # merged in float32 (the kernel's own accumulation type), out of place: the result
+        # is a new tensor, never the kernel's output written over or an identity `.float()`
+        # of it (`no_aliased_output` in the tests says why)
+        out = out.float() * torch.exp(lse - new).unsqueeze(-1) + o.float() * torch.exp(l - new).unsqueeze(-1)
         lse = new
-    if acc is not None and acc is not out:
-        out = out.copy_(acc)
+    if out.dtype != q.dtype:
+        out = out.to(q.dtype)
     return out, lse
 
 

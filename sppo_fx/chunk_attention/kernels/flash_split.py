@@ -48,10 +48,6 @@ def flash_split_supported(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
         the Triton or SDPA fallback)."""
     if q.device.type != "cuda":
         return "not a CUDA tensor"
-    if _compat.flash_attention_ops() is None:
-        return "this torch has no aten._scaled_dot_product_flash_attention(_backward)"
-    if not _compat.flash_sdp_enabled():
-        return "flash SDPA is disabled (torch.backends.cuda.enable_flash_sdp(False))"
     if q.dtype not in _FLASH_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (flash runs float16 and bfloat16)"
     d = q.shape[-1]
@@ -59,7 +55,22 @@ def flash_split_supported(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
         return f"head dim {d} (flash needs a multiple of 8 up to {_MAX_HEAD_DIM})"
     if q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads over {k.shape[1]} K/V heads"
-    cap = _compat.cuda_capability(q.device)
+    return cuda_environment_reason(q.device.index)
+
+
+@torch.compiler.assume_constant_result
+def cuda_environment_reason(index: Optional[int]) -> Optional[str]:
+    """Why this torch and GPU cannot run the flash split at all, or None.
+
+    Dynamo calls this once while it traces a chunk program and keeps the answer as a
+    constant: torch 2.11's Dynamo cannot trace `torch.backends.cuda.flash_sdp_enabled()`
+    (a bool from a torch.* op). So a compiled program keeps the routing it was built with;
+    `enable_flash_sdp(False)` after the first step changes new programs only."""
+    if _compat.flash_attention_ops() is None:
+        return "this torch has no aten._scaled_dot_product_flash_attention(_backward)"
+    if not _compat.flash_sdp_enabled():
+        return "flash SDPA is disabled (torch.backends.cuda.enable_flash_sdp(False))"
+    cap = _compat.cuda_capability(torch.device("cuda", index) if index is not None else "cuda")
     if cap is None or tuple(cap) < _MIN_CAPABILITY:
         return f"GPU capability {cap} (flash needs sm_80 or newer)"
     return None
@@ -109,8 +120,10 @@ def _merge(parts):
         acc = acc * torch.exp(lse - new).unsqueeze(-1) + o.float() * torch.exp(l - new).unsqueeze(-1)
         lse = new
     # elementwise ops keep their inputs' layout: the kernel's ([b, c, h, d] memory on CUDA,
-    # as SDPA's output, which the graph's views after attention were traced against)
-    return acc.to(out0.dtype), lse
+    # as SDPA's output, which the graph's views after attention were traced against).
+    # No identity `.to`: an autograd.Function output that aliases an intermediate gets
+    # zero gradients under torch 2.11's Dynamo.
+    return (acc if acc.dtype == out0.dtype else acc.to(out0.dtype)), lse
 
 
 class _FlashSplitAttention(torch.autograd.Function):
