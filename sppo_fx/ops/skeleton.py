@@ -55,20 +55,41 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix
     (every earlier chunk, streamed in one at a time; with a sliding `window`, only those
     that reach into it; inside packed documents, `doc_pos`, those of the documents it sees)
     and the chunk's own k, v."""
-    from sppo_fx.chunk_attention.op import chunk_attention_with_lse
     blocks = _memory("prefix_attention").kv_blocks(site)
     if window is not None or doc_pos is not None:
         out, lse = windowed_forward(q, k, v, k_prefix.shape[2], blocks, scale, window, doc_pos)
         return _into(bshd_empty_like(q), out), lse.contiguous()
-    out, lse = chunk_attention_with_lse(q, k, v, scale, causal=True)
+    fwd, _ = _block_kernels(q, k)
+    out, lse = fwd(q, k, v, scale, True)
     if blocks:
         acc = out.to(_acc_dtype(q.dtype))
         for k_j, v_j in blocks:
-            o_j, lse_j = chunk_attention_with_lse(q, k_j, v_j, scale, causal=False)
+            o_j, lse_j = fwd(q, k_j, v_j, scale, False)
             acc, lse = _merge(acc, lse, o_j, lse_j)
             del k_j, v_j, o_j  # before the stream reads the block after next
         out = acc
     return _into(bshd_empty_like(q), out), lse.contiguous()
+
+
+def _block_kernels(q: torch.Tensor, k: torch.Tensor):
+    """(fwd(q, k, v, scale, causal) -> (out, lse), bwd(dout, q, k, v, out, lse, scale, causal)
+    -> (dq, dk, dv)) for the chunk's own part and each streamed block.
+
+    On a CPU, the flash kernels the chunk attention op runs there, called directly: the
+    op's dispatch (a `triton_op` inside this custom op) cost about 25 us of a block's
+    forward and 55 us of its backward, against about 20 us of arithmetic each for a
+    16-token block (bench/streamed_block.py). Elsewhere, the op."""
+    from sppo_fx.chunk_attention.kernels.common import _check_inputs
+    from sppo_fx.chunk_attention.kernels.cpu import _cpu_flash_bwd, _cpu_flash_fwd, _cpu_flash_ok
+    from sppo_fx.chunk_attention.op import _use_triton
+    if _cpu_flash_ok(q) and not _use_triton(q):
+        _check_inputs(q, k, k, True)
+        return _cpu_flash_fwd, _cpu_flash_bwd
+    ops = torch.ops.sppo_fx
+
+    def bwd(dout, q, k, v, out, lse, scale, causal):
+        return ops.chunk_attention_bwd(dout, q, k, v, out, lse, None, scale, causal)
+    return ops.chunk_attention_fwd, bwd
 
 
 def _into(empty: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -96,18 +117,18 @@ def prefix_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     With the merged `out` and `lse`, each key block's part of the flash-attention backward
     is exact on its own (P = exp(s - lse), delta = rowsum(dout * out)), so the blocks are
     streamed in again one at a time."""
-    bwd = torch.ops.sppo_fx.chunk_attention_bwd
     memory = _memory("prefix_attention_bwd")
     blocks = memory.kv_blocks(site)
     if window is not None or doc_pos is not None:
         dq, dk, dv = windowed_backward(dout, q, k, v, out, lse, k_prefix.shape[2], blocks, memory, site, scale,
                                         window, doc_pos)
         return _into(torch.empty_like(q), dq), _into(torch.empty_like(k), dk), _into(torch.empty_like(v), dv)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, None, scale, True)
+    _, bwd = _block_kernels(q, k)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, scale, True)
     if blocks:
         dq = dq.to(_acc_dtype(q.dtype))
         for j, (k_j, v_j) in enumerate(blocks):
-            dq_j, dk_j, dv_j = bwd(dout, q, k_j, v_j, out, lse, None, scale, False)
+            dq_j, dk_j, dv_j = bwd(dout, q, k_j, v_j, out, lse, scale, False)
             dq += dq_j
             memory.kv_add_grad(site, j, dk_j, dv_j)
             del k_j, v_j, dq_j, dk_j, dv_j  # before the stream reads the block after next

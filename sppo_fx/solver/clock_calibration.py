@@ -228,6 +228,24 @@ def attention_call_seconds(device, budget_s: float = 0.1) -> float:
     return _best(_attention_pass(device, 1, 1, 16), 3, budget_s, compute_timer(device))
 
 
+def block_call_seconds(device, budget_s: float = 0.1) -> float:
+    """Fixed cost of one streamed skeleton block, forward + backward: the kernel calls
+    `ops.skeleton` makes per block (on a CPU the flash kernels without the op's dispatch),
+    on 4 heads of 1 query and 1 key, whose arithmetic is nil."""
+    import torch
+    from sppo_fx.ops.skeleton import _block_kernels
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, 4, 1, 16, device=device, dtype=dtype) for _ in range(3))
+    fwd, bwd = _block_kernels(q, k)
+
+    def run():
+        out, lse = fwd(q, k, v, 0.25, False)
+        bwd(out, q, k, v, out, lse, 0.25, False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return _best(run, 3, budget_s, compute_timer(device))
+
+
 #: head dims the attention pair cost is measured at (`Clock.attention_by_dim`)
 ATTENTION_DIMS = (8, 16, 32, 64, 128)
 #: chunk lengths a causal square's pair cost is measured at (`Clock.attention_square`)

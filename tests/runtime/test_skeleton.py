@@ -101,6 +101,34 @@ def test_streamed_attention_equals_attention_over_the_concatenated_prefix(dtype,
     assert dhk.shape == hk.shape and dhk.numel() == 0
 
 
+def test_cpu_blocks_run_the_flash_kernels_without_the_ops_dispatch():
+    """On a CPU the skeleton's blocks call the kernels the chunk attention op runs there,
+    directly (the op's dispatch was half a block's cost), with the op's exact results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from sppo_fx.ops.skeleton import _block_kernels
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 16, generator=g) for h in (4, 2, 2))
+    fwd, bwd = _block_kernels(q, k)
+    with Ops() as ops:
+        out, lse = fwd(q, k, v, 0.25, False)
+        grads = bwd(out, q, k, v, out, lse, 0.25, False)
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in ops.names
+    assert not [n for n in ops.names if n.startswith("sppo_fx.")]
+    want_out, want_lse = torch.ops.sppo_fx.chunk_attention_fwd(q, k, v, 0.25, False)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    for got, want in zip(grads, torch.ops.sppo_fx.chunk_attention_bwd(out, q, k, v, out, lse, None, 0.25, False)):
+        assert torch.equal(got, want)
+
+
 def test_streamed_attention_outside_a_chunk_names_the_executor():
     q = torch.randn(1, 2, 4, 8)
     h = torch.empty(1, 2, 0, 8, 0)

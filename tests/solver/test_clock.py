@@ -1,5 +1,6 @@
 """The solver's clock (`sppo_fx/solver/clock.py`): its terms on hand-made profiles, the plans
 they make the solver choose, and the benchmark's accuracy summary. No model runs here."""
+import dataclasses
 import math
 
 import pytest
@@ -111,6 +112,28 @@ def test_streamed_skeleton_blocks_still_cost_their_attention_calls():
             COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock).overhead
     # blocks read per pass: 2 sites x n (n - 1) / 2; two passes: N^2 by attention's nature
     assert overhead(16) / overhead(8) == pytest.approx(16 * 15 / (8 * 7))
+
+
+def test_streamed_blocks_cost_their_own_calibrated_call():
+    """A streamed block's kernel calls cost `block_call_seconds` (the skeleton calls the
+    kernels without the op's dispatch), not a chunk attention call; a profile without the
+    figure charges `attention_call_seconds`."""
+    n = 8
+    lengths, blocks = [T // n] * n, [2 * i for i in range(n)]
+    reads = 2 * sum(blocks)  # forward and backward
+
+    def stream_cost(clock):
+        def terms(skeleton):
+            return step_terms(COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock,
+                              skeleton_blocks=blocks if skeleton else None)
+        return terms(True).overhead - terms(False).overhead
+    call_only = stream_cost(Clock(attention_call_seconds=1e-4))
+    assert call_only == pytest.approx(reads / 2 * 1e-4)
+    with_block = stream_cost(Clock(attention_call_seconds=1e-4, block_call_seconds=2e-5))
+    assert with_block == pytest.approx(reads / 2 * 2e-5)
+    profile = dataclasses.replace(get_profile("h100"), attention_call_seconds=1e-4, block_call_seconds=2e-5)
+    assert Clock.of(profile).block_call_seconds == 2e-5
+    assert Clock.of(dataclasses.replace(profile, block_call_seconds=0.0)).block_call_seconds == 0.0
 
 
 def test_a_full_recompute_streams_the_skeleton_a_third_time():
