@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.fx as fx
+import torch.utils._python_dispatch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
@@ -351,3 +352,16 @@ def _can_fork():
 # tests of sppo_fx/util/forked.py's fork path (it computes in this process where it cannot fork)
 needs_fork = pytest.mark.skipif(not _can_fork(), reason="needs Linux with more than one CPU (os.fork, "
                                                         "os.sched_getaffinity) and SPPO_FX_FORK not off")
+
+
+class RecordedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every op that reaches the dispatcher (`names`), e.g.
+    "aten.mm" or "sppo_fx.chunk_attention_fwd"."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))

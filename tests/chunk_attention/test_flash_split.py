@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import RecordedOps
 from sppo_fx.util import compat as _compat
 from sppo_fx.chunk_attention.functions import prefix_causal_attention
 from sppo_fx.chunk_attention.kernels import flash_split
@@ -96,16 +96,6 @@ def sm90(monkeypatch):
     monkeypatch.setattr(_compat, "cuda_capability", lambda device: (9, 0))
 
 
-class _Ops(TorchDispatchMode):  # noqa: D101 - records the ATen ops that run
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def _fake_cuda_inputs(c, p, heads=8, kv_heads=2, d=64, dtype=torch.bfloat16, buffer=512):
     b = 1
     q = torch.empty(b, c, heads, d, device="cuda", dtype=dtype).transpose(1, 2)
@@ -130,7 +120,7 @@ def _run_cuda_path(inputs):
     """Forward through `prefix_causal_attention`'s routing (no grad), then the Function's
     forward and backward as autograd would run them: (out, grads, saved, op names)."""
     ctx = _Ctx()
-    with _Ops() as ops:
+    with RecordedOps() as ops:
         out = prefix_causal_attention(*inputs)
         out2 = flash_split._FlashSplitAttention.forward(ctx, *inputs, 0.125)
         grads = flash_split._FlashSplitAttention.backward(ctx, torch.empty_like(out2))[:5]
@@ -223,7 +213,7 @@ def test_capability_check_on_old_gpus_and_disabled_flash(monkeypatch):
 def test_unsupported_inputs_fall_back_to_the_triton_op(sm90):
     with FakeTensorMode():
         inputs, _ = _fake_cuda_inputs(16, 40, dtype=torch.float32)
-        with _Ops() as ops:
+        with RecordedOps() as ops:
             out = prefix_causal_attention(*inputs)
     assert "aten._scaled_dot_product_flash_attention" not in ops.names
     assert "sppo_fx.chunk_attention_opaque" in ops.names

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SHARES_OFFLOAD_PROGRAMS, offload_program, tiny_model, tiny_program
+from conftest import SHARES_OFFLOAD_PROGRAMS, RecordedOps, offload_program, tiny_model, tiny_program
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -104,21 +104,11 @@ def test_streamed_attention_equals_attention_over_the_concatenated_prefix(dtype,
 def test_cpu_blocks_run_the_flash_kernels_without_the_ops_dispatch():
     """On a CPU the skeleton's blocks call the kernels the chunk attention op runs there,
     directly (the op's dispatch was half a block's cost), with the op's exact results."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from sppo_fx.ops.skeleton import _block_kernels
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 8, 16, generator=g) for h in (4, 2, 2))
     fwd, bwd = _block_kernels(q, k)
-    with Ops() as ops:
+    with RecordedOps() as ops:
         out, lse = fwd(q, k, v, 0.25, False)
         grads = bwd(out, q, k, v, out, lse, 0.25, False)
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in ops.names
