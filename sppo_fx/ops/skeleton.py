@@ -75,21 +75,34 @@ def _block_kernels(q: torch.Tensor, k: torch.Tensor):
     """(fwd(q, k, v, scale, causal) -> (out, lse), bwd(dout, q, k, v, out, lse, scale, causal)
     -> (dq, dk, dv)) for the chunk's own part and each streamed block.
 
-    On a CPU, the flash kernels the chunk attention op runs there, called directly: the
-    op's dispatch (a `triton_op` inside this custom op) cost about 25 us of a block's
-    forward and 55 us of its backward, against about 20 us of arithmetic each for a
-    16-token block (bench/streamed_block.py). Elsewhere, the op."""
+    On a CPU, ATen's flash kernels, which the chunk attention op runs there, called
+    directly: the op's dispatch (a `triton_op` inside this custom op) and its no-op
+    `.contiguous()` / `.to()` calls cost more than the kernels' arithmetic on a short
+    block (bench/streamed_block.py). Each part is one key range the kernel takes whole (a
+    block unmasked, the chunk's own keys causal), so the values are the op's; only the
+    layouts differ, which the merge and the gradient sums do not see. `dout` must be
+    contiguous. Elsewhere, the op."""
     from sppo_fx.chunk_attention.kernels.common import _check_inputs
-    from sppo_fx.chunk_attention.kernels.cpu import _cpu_flash_bwd, _cpu_flash_fwd, _cpu_flash_ok
+    from sppo_fx.chunk_attention.kernels.cpu import _cpu_flash_ok
     from sppo_fx.chunk_attention.op import _use_triton
     if _cpu_flash_ok(q) and not _use_triton(q):
         _check_inputs(q, k, k, True)
-        return _cpu_flash_fwd, _cpu_flash_bwd
+        return _cpu_block_fwd, _cpu_block_bwd
     ops = torch.ops.sppo_fx
 
     def bwd(dout, q, k, v, out, lse, scale, causal):
         return ops.chunk_attention_bwd(dout, q, k, v, out, lse, None, scale, causal)
     return ops.chunk_attention_fwd, bwd
+
+
+def _cpu_block_fwd(q, k, v, scale, causal):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_block_bwd(dout, q, k, v, out, lse, scale, causal):
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return dq, dk if dk.dtype == k.dtype else dk.to(k.dtype), dv if dv.dtype == v.dtype else dv.to(v.dtype)
 
 
 def _into(empty: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +137,7 @@ def prefix_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                                         window, doc_pos)
         return _into(torch.empty_like(q), dq), _into(torch.empty_like(k), dk), _into(torch.empty_like(v), dv)
     _, bwd = _block_kernels(q, k)
+    dout = dout.contiguous()  # the kernels read rows of d contiguous elements
     dq, dk, dv = bwd(dout, q, k, v, out, lse, scale, True)
     if blocks:
         dq = dq.to(_acc_dtype(q.dtype))

@@ -28,6 +28,12 @@ from sppo_fx.runtime.store.disk import _sampled_checksum
 from sppo_fx.runtime.store.records import StoreReadError, StoreWriteError, _span
 
 _AHEAD = 2  # blocks of a stream alive at once: the one in use and the one read ahead
+# A stream whose blocks are all this small is read inline, in the consumer's thread: a
+# handoff to the reader thread (its wake-up, the GIL passed back and forth) cost about
+# 80 us a block on one core, where a pread of a page-cached block this size costs a few us.
+# Larger blocks, and blocks bound for a GPU, are read ahead in the background, where their
+# reads can hide behind the ops (which release the GIL).
+INLINE_READ_BYTES = 256 << 10
 _POOLS: list = []
 
 
@@ -129,7 +135,8 @@ class SkeletonLog:
 
     def stream(self, blocks: list[tuple[_Block, _Block]]):
         """Yield (K_j, V_j) of `blocks` in order: one background task preads them, at most
-        `_AHEAD` pairs alive at once (each pair's token returns when the next is asked for)."""
+        `_AHEAD` pairs alive at once (each pair's token returns when the next is asked for);
+        CPU blocks of at most `INLINE_READ_BYTES` each are read when asked for, inline."""
         self.streams += 1
         tokens = threading.Semaphore(_AHEAD)
         out: queue.Queue = queue.Queue()
@@ -159,6 +166,14 @@ class SkeletonLog:
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 out.put(e)
 
+        if all(b.device.type == "cpu" and b.nbytes <= INLINE_READ_BYTES for pair in blocks for b in pair):
+            for pair in blocks:  # at most one pair alive: the op drops it before asking again
+                got = tuple(read_one(b) for b in pair)
+                self.block_reads += 1
+                dev = pair[0].device
+                yield tuple(t if dev.type == "cpu" else t.to(dev, non_blocking=True) for t in got)
+                del got
+            return
         task: Future = self.reader.submit(produce)
         try:
             for n in range(len(blocks)):

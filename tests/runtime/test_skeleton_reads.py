@@ -112,6 +112,7 @@ def test_streamed_skeleton_on_disk_is_bitwise_the_device_one_and_matches_eager(t
 def test_a_stream_reads_at_most_two_blocks_ahead_of_its_consumer(monkeypatch, tmp_path):
     """The memory model's stream buffer is two blocks (K and V) of one site: the block in
     use and the next one. A slow consumer must not let the reader run further ahead."""
+    monkeypatch.setattr(skeleton_log, "INLINE_READ_BYTES", 0)  # these blocks are small: read ahead anyway
     log = skeleton_log.SkeletonLog(str(tmp_path))
     pairs = [(log.put(torch.full((2, 8), float(j))), log.put(torch.full((2, 8), -float(j)))) for j in range(8)]
     done, worst = [0], [0]
@@ -141,7 +142,35 @@ def test_a_stream_reads_at_most_two_blocks_ahead_of_its_consumer(monkeypatch, tm
     assert os.listdir(str(tmp_path)) == []
 
 
-def test_a_changed_file_is_refused_at_its_read(tmp_path):
+@pytest.mark.parametrize("inline_bytes, inline", [(1 << 20, True), (16, False)])
+def test_small_cpu_blocks_are_read_inline(monkeypatch, tmp_path, inline_bytes, inline):
+    """A stream of small CPU blocks preads each one when the consumer asks for it, in the
+    consumer's thread (a handoff to the reader thread cost more than the read); one pair is
+    alive at a time, and the bytes are the same."""
+    monkeypatch.setattr(skeleton_log, "INLINE_READ_BYTES", inline_bytes)
+    log = skeleton_log.SkeletonLog(str(tmp_path))
+    pairs = [(log.put(torch.full((2, 8), float(j))), log.put(torch.full((2, 8), -float(j)))) for j in range(4)]
+    threads = set()
+    real = os.preadv
+
+    def preadv(fd, bufs, offset):
+        threads.add(threading.get_ident())
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(os, "preadv", preadv)
+    for j, (k, v) in enumerate(log.stream(pairs)):
+        assert torch.equal(k, torch.full((2, 8), float(j))) and torch.equal(v, -k)
+    monkeypatch.undo()
+    assert (threads == {threading.get_ident()}) == inline, threads
+    assert log.block_reads == 4
+    for a, b in pairs:
+        log.drop(a)
+        log.drop(b)
+    assert os.listdir(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("inline_bytes", [1 << 20, 0], ids=["inline", "read-ahead"])
+def test_a_changed_file_is_refused_at_its_read(monkeypatch, tmp_path, inline_bytes):
+    monkeypatch.setattr(skeleton_log, "INLINE_READ_BYTES", inline_bytes)
     log = skeleton_log.SkeletonLog(str(tmp_path))
     a = log.put(torch.arange(4096.0))
     a.written.result()
