@@ -11,7 +11,7 @@ Two measurements (docs/solver-clock.md, "One streamed block, measured"):
   runtime's `SkeletonLog` (one file, one in-order read task a pass): (t(64) - t(16)) / 96
   reads, so a stream's fixed cost drops out, and (t(16) - t(0) - 32 reads) / 2 per stream.
 
-The clock charges a read `BLOCK_OPS` x op_seconds + block_read_seconds / 2 and a stream
+The clock charges a read `BLOCK_OPS` x op_seconds + attention_call_seconds / 2 and a stream
 `file_seconds` (`sppo_fx/solver/clock.py`); the profile is this machine's stored one.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 taskset -c 1 python bench/streamed_block.py
@@ -91,10 +91,9 @@ def op_seconds_with(blocks_n: int, rounds: int = 30, heads: int = 4, dim: int = 
 
 def main() -> int:
     prof = device_profile("cpu")
-    call = prof.block_read_seconds or prof.attention_call_seconds
-    charged_read = BLOCK_OPS * prof.op_seconds + call / 2
+    charged_read = BLOCK_OPS * prof.op_seconds + prof.attention_call_seconds / 2
     print(f"clock: {charged_read * 1e6:.0f} us per block read ({BLOCK_OPS} ops x {prof.op_seconds * 1e6:.1f} us "
-          f"+ half a block call of {call * 1e6:.0f} us), {prof.file_seconds * 1e6:.0f} us per stream")
+          f"+ half a call of {prof.attention_call_seconds * 1e6:.0f} us), {prof.file_seconds * 1e6:.0f} us per stream")
     t0, t16, t64 = (op_seconds_with(b) for b in (0, 16, 64))
     per_read = (t64 - t16) / 96
     per_stream = (t16 - t0 - 32 * per_read) / 2

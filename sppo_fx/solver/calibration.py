@@ -203,7 +203,6 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     file_s = cc.file_seconds(dir, 0.075 * seconds)
     attn_e, attn_f, attn_by_dim, attn_square, attn_size = cc.attention_figures(dev, 0.25 * seconds)
     attn_call = cc.attention_call_seconds(dev, 0.05 * seconds)
-    block_read = cc.block_read_seconds(dev, 0.05 * seconds) if dev.type == "cpu" else 0.0
     elementwise_bw = cc.elementwise_bytes_per_s(dev, 0.075 * seconds)
     if dev.type == "cpu":  # a real chunk program's per-op cost (on CUDA: the plain-op figure)
         op_s = cc.program_op_seconds(attn_call, 0.3 * seconds) or op_s
@@ -216,7 +215,6 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         disk_cached_write_bytes_per_s=float(disk_cached_w), disk_cache_bytes=_page_cache_bytes(),
         op_seconds=float(op_s), file_seconds=float(file_s), attention_pair_seconds=float(attn_e),
         attention_pair_dim_seconds=float(attn_f), attention_call_seconds=float(attn_call),
-        block_read_seconds=float(block_read),
         attention_by_dim=tuple((int(d), float(t)) for d, t in attn_by_dim),
         attention_square=tuple((int(c), float(x)) for c, x in attn_square),
         attention_size=tuple((int(c), float(x)) for c, x in attn_size),

@@ -60,9 +60,6 @@ class Clock:
             seconds per (query, key) pair and head: e + d·f (0: use FLOPs).
         attention_call_seconds: fixed cost of one chunk attention call, forward + backward
             (Python, dispatch, its small ops and buffers; 0: not charged).
-        block_read_seconds: seconds of one streamed skeleton block read, forward or
-            backward, on a short block: its read from the skeleton, its kernel call, the
-            merge or the gradient sums (0: `BLOCK_OPS` ops and half an attention call).
         compiled_speedup: compiled chunk programs' speed over op-by-op graphs (>= 1 faster).
         attention_by_dim: ((head dim, seconds per pair and head), ...) measured at those head
             dims; () to use e + d·f. The cost is not linear in d: on a CPU a head dim of 8
@@ -87,7 +84,6 @@ class Clock:
     attention_square: tuple = ()
     attention_size: tuple = ()
     elementwise_bytes_per_s: float = 0.0
-    block_read_seconds: float = 0.0
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -99,7 +95,7 @@ class Clock:
                    get("attention_call_seconds"),
                    _table(profile, "attention_by_dim"), _table(profile, "attention_square"),
                    _table(profile, "attention_size"),
-                   get("elementwise_bytes_per_s"), get("block_read_seconds"))
+                   get("elementwise_bytes_per_s"))
 
     def elementwise_seconds(self, cost, tokens: float, recompute_fraction: float = 0.0) -> float:
         """Seconds of the element-wise ops of `tokens` tokens, forward and backward; a
@@ -196,13 +192,9 @@ def overhead_seconds(cost, n_chunks: int, files: int, block_reads: int, clock: C
     """Fixed costs: ops of every chunk's forward and backward (the backward runs about twice
     the forward's ops; a recompute runs `recompute_fraction` of the forward's again, its
     attention calls included), files of the disk tier, attention calls (every site of every
-    chunk; streamed block reads, `block_read_seconds` each, or without it an attention
-    call's half and `BLOCK_OPS` ops more for the merge)."""
+    chunk; streamed blocks, each its own call with `BLOCK_OPS` ops more for the merge)."""
     ops = getattr(cost, "ops", 0) * (1 + 2 + recompute_fraction) * n_chunks / max(clock.compiled_speedup, 1.0)
     calls = len(getattr(cost, "attention", ())) * n_chunks * (1 + recompute_fraction / 2)  # fwd = 1/2 a call
-    if clock.block_read_seconds:
-        per_read = clock.block_read_seconds
-    else:  # block_reads: forward and backward, half a call each
-        per_read = BLOCK_OPS * clock.op_seconds + clock.attention_call_seconds / 2
-    return (ops * clock.op_seconds + files * clock.file_seconds + calls * clock.attention_call_seconds
-            + block_reads * per_read)
+    calls += block_reads / 2  # block_reads: forward and backward
+    return ((ops + BLOCK_OPS * block_reads) * clock.op_seconds + files * clock.file_seconds
+            + calls * clock.attention_call_seconds)

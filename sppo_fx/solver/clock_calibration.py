@@ -228,50 +228,6 @@ def attention_call_seconds(device, budget_s: float = 0.1) -> float:
     return _best(_attention_pass(device, 1, 1, 16), 3, budget_s, compute_timer(device))
 
 
-def block_read_seconds(device, budget_s: float = 0.1, blocks: tuple = (8, 24)) -> float:
-    """Seconds of one streamed skeleton block read, forward or backward, end to end: the
-    skeleton's attention op (`ops.skeleton.streamed_prefix_attention`, forward and backward
-    through autograd) on 4 heads of 1 query against short blocks read back from a
-    `SkeletonLog` file, the difference of two block counts over the reads between them (a
-    stream's fixed cost drops out). Its read, kernel call, merge and gradient sums are
-    what a streamed chunk pays per block on top of the chunk's own attention call. CPU
-    only (the disk tier's skeleton)."""
-    import tempfile
-    import torch
-    from sppo_fx.ops.offload import active_memory
-    from sppo_fx.ops.skeleton import streamed_prefix_attention
-    from sppo_fx.runtime.skeleton_log import SkeletonLog
-
-    class Blocks:  # what the op asks the chunk memory for
-        def __init__(self, log, pairs):
-            self.log, self.pairs, self.grads = log, pairs, {}
-
-        def kv_blocks(self, site):
-            return self.log.stream(self.pairs)
-
-        def kv_add_grad(self, site, j, dk, dv):  # as the skeleton sums them
-            for slot, g in ((2 * j, dk), (2 * j + 1, dv)):
-                acc = self.grads.get(slot)
-                self.grads[slot] = g if acc is None else acc.add_(g)
-
-    times = []
-    with tempfile.TemporaryDirectory(prefix="sppo_calibrate_") as d:
-        log = SkeletonLog(d)
-        try:
-            q, k, v = (torch.randn(1, 4, 1, 16, requires_grad=True) for _ in range(3))
-            for n in blocks:
-                pairs = [(log.put(torch.randn(1, 4, 1, 16)), log.put(torch.randn(1, 4, 1, 16))) for _ in range(n)]
-                memory, hk = Blocks(log, pairs), torch.empty(1, 4, n, 16, 0)
-
-                def run():
-                    with active_memory(memory):
-                        streamed_prefix_attention(q, hk, k, hk, v, 0).sum().backward()
-                times.append(_best(run, 3, budget_s / len(blocks), compute_timer(device)))
-        finally:
-            log.close()
-    return max(times[1] - times[0], 0.0) / (2 * (blocks[1] - blocks[0]))
-
-
 #: head dims the attention pair cost is measured at (`Clock.attention_by_dim`)
 ATTENTION_DIMS = (8, 16, 32, 64, 128)
 #: chunk lengths a causal square's pair cost is measured at (`Clock.attention_square`)

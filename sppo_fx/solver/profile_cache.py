@@ -79,7 +79,7 @@ def profile_key(device: str, dir: str | None = None) -> dict:
     except OSError:
         disk = target
     return {"device": dev.type, "hardware": hardware, "threads": torch.get_num_threads(),
-            "disk": disk, "host": platform.node(), "version": 6}
+            "disk": disk, "host": platform.node(), "version": 5}
 
 
 def _path(key: dict) -> str | None:

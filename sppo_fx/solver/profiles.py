@@ -63,9 +63,6 @@ class DeviceProfile:
             unknown, the term is left out.
         attention_call_seconds: fixed cost of one chunk attention call, forward + backward
             (`solver.clock`); 0: unknown, not charged.
-        block_read_seconds: seconds of one streamed skeleton block read (forward or
-            backward) on a short block, end to end (`solver.clock`); 0: unknown, the clock
-            charges ops and half an attention call.
         attention_by_dim: ((head dim, seconds per pair and head), ...) measured at those
             dims, which the clock interpolates (e + d·f is not the cost's shape); (): e + d·f.
         attention_square: ((chunk length, factor), ...): a chunk's causal-square pair over a
@@ -93,7 +90,6 @@ class DeviceProfile:
     attention_pair_dim_seconds: float = 0.0
     compiled_speedup: float = 1.0
     attention_call_seconds: float = 0.0
-    block_read_seconds: float = 0.0
     attention_by_dim: tuple = ()
     attention_square: tuple = ()
     attention_size: tuple = ()
@@ -189,7 +185,7 @@ class DeviceProfile:
             raise SppoError(f"DeviceProfile disk_cached_write_bytes_per_s={self.disk_cached_write_bytes_per_s!r}: "
                             "give a positive finite rate, or None (unknown)")
         for field in ("op_seconds", "file_seconds", "attention_pair_seconds", "attention_pair_dim_seconds",
-                      "attention_call_seconds", "block_read_seconds"):
+                      "attention_call_seconds"):
             value = getattr(self, field)
             if not number(value) or value < 0:
                 raise SppoError(f"DeviceProfile {field}={value!r}: give a finite number of seconds >= 0")
@@ -241,9 +237,7 @@ class DeviceProfile:
                             if self.attention_by_dim else
                             f"attention {self.attention_pair_seconds * 1e9:.2f} + d x "
                             f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head, ")
-                         + f"{self.attention_call_seconds * 1e6:.0f} us per call"
-                         + (f", {self.block_read_seconds * 1e6:.0f} us per streamed block read"
-                            if self.block_read_seconds else ""))]
+                         + f"{self.attention_call_seconds * 1e6:.0f} us per call")]
               if self.op_seconds or self.file_seconds or self.attention_pair_seconds or self.attention_call_seconds
               or self.attention_by_dim else []),
             *([("element-wise", f"{self.elementwise_bytes_per_s / 1e9:.2f} GB/s")]

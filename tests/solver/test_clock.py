@@ -1,6 +1,5 @@
 """The solver's clock (`sppo_fx/solver/clock.py`): its terms on hand-made profiles, the plans
 they make the solver choose, and the benchmark's accuracy summary. No model runs here."""
-import dataclasses
 import math
 
 import pytest
@@ -112,53 +111,6 @@ def test_streamed_skeleton_blocks_still_cost_their_attention_calls():
             COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock).overhead
     # blocks read per pass: 2 sites x n (n - 1) / 2; two passes: N^2 by attention's nature
     assert overhead(16) / overhead(8) == pytest.approx(16 * 15 / (8 * 7))
-
-
-def test_streamed_block_reads_cost_their_calibrated_figure():
-    """A streamed block read costs `block_read_seconds` (measured end to end: read, kernel
-    call, merge), not `BLOCK_OPS` ops and half an attention call; a profile without the
-    figure charges those."""
-    n = 8
-    lengths, blocks = [T // n] * n, [2 * i for i in range(n)]
-    reads = 2 * sum(blocks)  # forward and backward
-
-    def stream_cost(clock):
-        def terms(skeleton):
-            return step_terms(COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock,
-                              skeleton_blocks=blocks if skeleton else None)
-        return terms(True).overhead - terms(False).overhead
-    without = stream_cost(Clock(op_seconds=1e-6, attention_call_seconds=1e-4))
-    assert without == pytest.approx(reads * (8e-6 + 5e-5), rel=0.01)
-    measured = stream_cost(Clock(op_seconds=1e-6, attention_call_seconds=1e-4, block_read_seconds=2e-5))
-    assert measured == pytest.approx(reads * 2e-5, rel=0.01)
-    profile = dataclasses.replace(get_profile("h100"), attention_call_seconds=1e-4, block_read_seconds=2e-5)
-    assert Clock.of(profile).block_read_seconds == 2e-5
-
-
-def test_the_block_read_calibration_runs_the_skeletons_path(monkeypatch):
-    """The calibration streams real blocks through the skeleton's op and its file: with
-    the kernel calls made dearer, the figure grows."""
-    import time as _time
-    import torch
-    from sppo_fx.ops import skeleton
-    from sppo_fx.solver import clock_calibration as cc
-    # one thread: an OpenMP barrier on a loaded machine costs milliseconds at random; wall
-    # time: the sleep below is not CPU time
-    monkeypatch.setattr(cc, "compute_timer", lambda device: _time.perf_counter)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        base = cc.block_read_seconds(torch.device("cpu"), 0.2)
-        assert 0 < base < 5e-4
-        slow = skeleton._cpu_block_fwd
-
-        def slower(*args):
-            _time.sleep(2e-3)
-            return slow(*args)
-        monkeypatch.setattr(skeleton, "_cpu_block_fwd", slower)
-        assert cc.block_read_seconds(torch.device("cpu"), 0.2) > base + 5e-4  # 1 ms a read more
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_a_full_recompute_streams_the_skeleton_a_third_time():
