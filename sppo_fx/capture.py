@@ -261,7 +261,7 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with what to change
         raise SppoError(f"torch.export could not trace the model with a dynamic sequence length: "
-                        f"{type(e).__name__}: {e}") from e
+                        f"{type(e).__name__}: {e}{_old_torch_hint(e)}") from e
     refuse_random_ops(program)
     sig = program.graph_signature
     user_inputs = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
@@ -308,6 +308,16 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
 #: mode and the like): the chunked program draws its numbers in another order than the
 #: model, so loss and gradients would not be the model's
 _RANDOM_OPS = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
+
+
+def _old_torch_hint(error: Exception) -> str:
+    """What to change when torch < 2.13's export fails on a loss it cannot keep dynamic
+    (docs/masks-and-models.md, "Torch versions")."""
+    if tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 13):
+        return ""
+    return (f"; on torch {torch.__version__}, cross_entropy with probability targets fixes the sequence length "
+            "(write it as -(p * logits.log_softmax(-1)).sum(-1).mean()) and binary_cross_entropy with a weight "
+            "fails on symbolic sizes (weight the elementwise loss instead), or use torch >= 2.13")
 
 
 def refuse_random_ops(program) -> None:

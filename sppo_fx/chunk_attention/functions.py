@@ -159,7 +159,8 @@ def _band_mask(rows: int, keys: int, offset, window: int, device) -> torch.Tenso
 
 def _windowed_prefix_attention(q, k_prefix, k, v_prefix, v, scale, enable_gqa, window):
     p, c = k_prefix.shape[-2], q.shape[-2]
-    keep = torch.sym_min(p, window - 1) if window > 1 else 0
+    # torch.sym_min only for a symbolic prefix: on two ints torch 2.11's Dynamo refuses it
+    keep = 0 if window <= 1 else min(p, window - 1) if isinstance(p, int) else torch.sym_min(p, window - 1)
     k_all = torch.cat([k_prefix[..., p - keep:, :], k], -2)
     v_all = torch.cat([v_prefix[..., p - keep:, :], v], -2)
     mask = _band_mask(c, keep + c, keep, window, q.device)

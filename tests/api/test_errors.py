@@ -174,3 +174,17 @@ def test_a_refused_input_is_named_as_the_user_passed_it():
         compiled(input_ids=ids, attention_mask=mask, labels=ids)
     assert "tensors_" not in str(info.value)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_export_failure_on_an_older_torch_names_the_loss_forms_it_cannot_keep_dynamic(monkeypatch):
+    """torch 2.11's export fixes the sequence length of cross_entropy with probability
+    targets and fails on weighted binary_cross_entropy; the error says what to write
+    instead there, and says nothing of it on torch >= 2.13."""
+    import torch
+    from sppo_fx import capture
+    if capture._old_torch_hint(RuntimeError()) == "":
+        monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    hint = capture._old_torch_hint(RuntimeError())
+    assert "log_softmax(-1)).sum(-1).mean()" in hint and "2.11.0" in hint and "torch >= 2.13" in hint
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    assert capture._old_torch_hint(RuntimeError()) == ""

@@ -3,7 +3,8 @@
 Torch 2.11's Dynamo (the GPU machine's torch, and in the range pyproject.toml allows) gives
 an autograd.Function *zero* gradients, silently, when its forward returns a tensor that
 aliases another value of the forward: one written in place (`mul_`, `copy_`) or an identity
-`.float()` / `.to(same dtype)`. Torch 2.13 handles it. The chunk attention's CPU path and
+`.float()` / `.to(same dtype)` / `.contiguous()`. Views (transpose, slices) are fine, and so
+is a backward that returns such aliases. Torch 2.13 handles it. The chunk attention's CPU path and
 the flash split both did this for float32 (and the CPU path for bfloat16 too), so every
 compiled chunk program's attention had zero gradients under torch 2.11.
 
