@@ -261,7 +261,7 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with what to change
         raise SppoError(f"torch.export could not trace the model with a dynamic sequence length: "
-                        f"{type(e).__name__}: {e}{_old_torch_hint(e)}") from e
+                        f"{type(e).__name__}: {e}{_old_torch_hint()}") from e
     refuse_random_ops(program)
     sig = program.graph_signature
     user_inputs = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
@@ -310,7 +310,7 @@ def capture(model: torch.nn.Module, fn: Callable | None, loss_fn: Callable | Non
 _RANDOM_OPS = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
 
 
-def _old_torch_hint(error: Exception) -> str:
+def _old_torch_hint() -> str:
     """What to change when torch < 2.13's export fails on a loss it cannot keep dynamic
     (docs/masks-and-models.md, "Torch versions")."""
     if tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 13):

@@ -182,9 +182,9 @@ def test_an_export_failure_on_an_older_torch_names_the_loss_forms_it_cannot_keep
     instead there, and says nothing of it on torch >= 2.13."""
     import torch
     from sppo_fx import capture
-    if capture._old_torch_hint(RuntimeError()) == "":
+    if capture._old_torch_hint() == "":
         monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
-    hint = capture._old_torch_hint(RuntimeError())
+    hint = capture._old_torch_hint()
     assert "log_softmax(-1)).sum(-1).mean()" in hint and "2.11.0" in hint and "torch >= 2.13" in hint
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
-    assert capture._old_torch_hint(RuntimeError()) == ""
+    assert capture._old_torch_hint() == ""

@@ -47,7 +47,7 @@ def cpu_flash_forward(q: Tensor, parts, scale: Optional[float]) -> Tuple[Tensor,
         new = torch.logaddexp(lse, l)
         # merged in float32 (the kernel's own accumulation type), out of place: the result
         # is a new tensor, never the kernel's output written over or an identity `.float()`
-        # of it (`no_aliased_output` in the tests says why)
+        # of it (tests/chunk_attention/test_autograd_function_outputs.py says why)
         out = out.float() * torch.exp(lse - new).unsqueeze(-1) + o.float() * torch.exp(l - new).unsqueeze(-1)
         lse = new
     if out.dtype != q.dtype:
