@@ -18,17 +18,21 @@ into them ("using FX to symbolically trace a dynamo-optimized function"). Withou
 (no FX graph cache, CUDA initialised) the compile runs here at the next call. A failed
 compile leaves chunk 0 on its op-by-op graphs, with a warning.
 
-`SPPO_FX_BACKGROUND_COMPILE` = auto (the default) | on | off. `auto` compiles where the
-compile does not take the training step's cores (`auto_decision`): a CPU program whose
-usable cores exceed the step's intra-op threads (`torch.get_num_threads()`, times the local
-pipeline ranks), where a child
-can fork and Inductor's FX graph cache is on, and only while a core is free at the start
+`SPPO_FX_BACKGROUND_COMPILE` = auto (the default) | on | wait | off. `on` compiles beside
+the steps; `wait` starts the compile at chunk 0's second call and waits for it there, so
+that one step pays the compile and every later one runs Inductor's code; `off` keeps chunk 0
+op by op. `auto` (`auto_decision`) is `on` where the compile does not take the training
+step's cores: a CPU program whose usable cores exceed the step's intra-op threads
+(`torch.get_num_threads()`, times the local pipeline ranks), where a child can fork and
+Inductor's FX graph cache is on, started at a call that finds a core free
 (`forked.a_core_is_free`, checked again at each later call of chunk 0); or a CUDA program
 (the step runs on the GPU; no fork once CUDA is initialised, so the compile runs in this
-process at chunk 0's next call: that one step pays it). Off where the step's threads take
-every core: on the 2-core CPU machine (2 intra-op threads) the child's compile shared the
-cores with the training steps, and the demo's steps 1-4 ran at 6.4 s with it against 1.6 s
-without (docs/first-call-and-caches.md).
+process at chunk 0's next call: that one step pays it). Where the step's threads take every
+core, or no child can fork, `auto` is `wait`: on the 2-core CPU machine (2 intra-op threads)
+a child's compile beside the training steps slowed every one of them (the demo's steps 1-4
+ran at 6.4 s with it against 1.6 s without), and keeping chunk 0 op by op for good cost
+the steady step about 10% (the demo: 0.93 s against 0.81-0.83 s with chunk 0 compiled;
+docs/first-call-and-caches.md).
 """
 from __future__ import annotations
 
@@ -53,39 +57,47 @@ _programs: weakref.WeakSet = weakref.WeakSet()  # every ExactProgram (`wait_all`
 
 
 ENV = "SPPO_FX_BACKGROUND_COMPILE"
+# on: a forked child compiles beside the steps; wait: chunk 0's second call compiles (in a
+# forked child where one can fork: its memory stays out of this process) and waits for it;
+# off: chunk 0 keeps AOTAutograd's graphs op by op
+MODES = ("on", "wait", "off")
 _ON, _OFF = ("on", "1", "true", "yes"), ("off", "0", "false", "no")
 
 
 def setting() -> str:
-    """`SPPO_FX_BACKGROUND_COMPILE` as "auto" (unset or empty), "on" or "off"."""
+    """`SPPO_FX_BACKGROUND_COMPILE` as "auto" (unset or empty), "on", "wait" or "off"."""
     value = os.environ.get(ENV, "").strip().lower()
     if value in ("", "auto"):
         return "auto"
     if value in _ON:
         return "on"
+    if value == "wait":
+        return "wait"
     if value in _OFF:
         return "off"
     from sppo_fx.errors import SppoError
-    raise SppoError(f"environment variable {ENV}={value!r}: set it to auto, on or off, or unset it (auto)")
+    raise SppoError(f"environment variable {ENV}={value!r}: set it to auto, on, wait or off, or unset it (auto)")
 
 
 def auto_decision(device: str, usable_cores: int, threads: int, forks: bool, local_ranks: int = 1
-                  ) -> tuple[bool, str]:
+                  ) -> tuple[str, str]:
     """`auto`'s choice for a program on `device` ("cpu", "cuda", ...) whose step runs
     `threads` intra-op threads in each of `local_ranks` processes on this machine (pipeline
     ranks), with `usable_cores` cores for this process, where a child can (`forks`) or
-    cannot be forked for the compile: (on, why)."""
+    cannot be forked for the compile: (mode, why), mode one of `MODES`."""
     if device.startswith("cuda"):
-        return True, "the step runs on the GPU; the host compiles chunk 0 at its next call"
+        return "on", "the step runs on the GPU; the host compiles chunk 0 at its next call"
     if not device.startswith("cpu"):
-        return False, f"no background compile for {device} programs"
-    if not forks:
-        return False, "no forked child (no os.fork, SPPO_FX_FORK=off or no FX graph cache): it would stall a step"
+        return "off", f"no Inductor compile of chunk 0 for {device} programs"
     busy = threads * max(local_ranks, 1)
+    if not forks:
+        return "wait", ("no forked child (no os.fork, SPPO_FX_FORK=off or no FX graph cache): chunk 0's "
+                        "second call compiles it here, and that step pays the compile")
     if usable_cores <= busy:
-        return False, (f"the step's {threads} intra-op threads x {local_ranks} local rank(s) take all "
-                       f"{usable_cores} usable cores: a child's compile would slow the steps")
-    return True, (f"{usable_cores} usable cores, {threads} intra-op threads x {local_ranks} local rank(s): "
+        return "wait", (f"the step's {threads} intra-op threads x {local_ranks} local rank(s) take all "
+                        f"{usable_cores} usable cores: a child beside the steps would slow every one of them, "
+                        "so chunk 0's second call compiles it and waits, and that step pays the compile")
+    return "on", (f"{usable_cores} usable cores, {threads} intra-op threads x {local_ranks} local rank(s): "
                   "a core is free for the child")
 
 
@@ -101,17 +113,22 @@ def local_ranks() -> int:
     return 1
 
 
-def enabled(device: str = "cpu") -> bool:
-    """Whether chunk 0's exact-size programs on `device` are compiled in the background
+def mode(device: str = "cpu") -> str:
+    """How chunk 0's exact-size programs on `device` get Inductor's code, one of `MODES`
     (`setting`; with "auto", `auto_decision` on this machine)."""
     chosen = setting()
     if chosen != "auto":
-        return chosen == "on"
+        return chosen
     from sppo_fx.util.forked import can_fork, usable_cpus
-    on, why = auto_decision(device, usable_cpus(), torch.get_num_threads(), can_fork() and _cache_on(),
-                            local_ranks())
-    log.debug("chunk 0's background compile (%s=auto): %s, %s", ENV, "on" if on else "off", why)
-    return on
+    chosen, why = auto_decision(device, usable_cpus(), torch.get_num_threads(), can_fork() and _cache_on(),
+                                local_ranks())
+    log.debug("chunk 0's compile (%s=auto): %s, %s", ENV, chosen, why)
+    return chosen
+
+
+def enabled(device: str = "cpu") -> bool:
+    """Whether chunk 0's exact-size programs on `device` are ever compiled by Inductor."""
+    return mode(device) != "off"
 
 
 def fake_copies(tensors) -> list:
@@ -134,10 +151,14 @@ class ExactProgram:
         stats: the program's `CodegenStats` (calls and compiles are counted there).
         name: for messages.
         device: the program's device type ("cpu", "cuda").
+        wait: the call that starts the compile waits for it and runs Inductor's code (mode
+            "wait"); otherwise the compile runs beside the next calls (mode "on").
     """
 
-    def __init__(self, eager: Callable, compile: Callable | None, stats, name: str, device: str = "cpu"):
+    def __init__(self, eager: Callable, compile: Callable | None, stats, name: str, device: str = "cpu",
+                 wait: bool = False):
         self.eager, self.compile, self.stats, self.name, self.device = eager, compile, stats, name, device
+        self.wait_for_it = wait
         self.started = False
         self.next_check = 0.0  # monotonic time of the next look for a free core (`_may_start`)
         self.compiled: Callable | None = None
@@ -157,6 +178,14 @@ class ExactProgram:
         self.calls += 1
         if self.calls >= 2 and self.compile is not None and self.job is None and self._may_start():
             self._start(tensors)  # the first call (its step) is over
+            if self.wait_for_it:
+                self.wait()  # this call pays the compile
+                if self.compiled is not None:
+                    self.stats.exact_compiled_calls += 1
+                    return self.compiled(*tensors)
+        return self._eager(tensors)
+
+    def _eager(self, tensors):
         self.stats.exact_eager_calls += 1
         return self.eager(*tensors)
 
@@ -165,7 +194,7 @@ class ExactProgram:
         for the child (a machine busy with other work is asked again at the next call)."""
         if self.started:
             return False
-        if self.device.startswith("cpu") and setting() == "auto":
+        if self.device.startswith("cpu") and setting() == "auto" and not self.wait_for_it:
             import time
             from sppo_fx.util.forked import a_core_is_free
             if time.monotonic() < self.next_check:

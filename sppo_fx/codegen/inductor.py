@@ -228,10 +228,10 @@ class CompiledProgram:
             handles are empty tensors for every chunk), or, in a program without one, by an
             empty tensor argument. Same partition, same memory passes; the results differ
             from Inductor's only by floating-point reassociation. From chunk 0's second call
-            on, a forked child compiles those exact-size programs with Inductor, and chunk 0
-            runs Inductor's code once it is ready (`sppo_fx/codegen/background.py`; where
-            `SPPO_FX_BACKGROUND_COMPILE`, auto by default, turns it on), so the steady step
-            is compiled throughout.
+            on, Inductor compiles those exact-size programs (a forked child beside the
+            steps, or that call waits for the compile: `sppo_fx/codegen/background.py`,
+            `SPPO_FX_BACKGROUND_COMPILE`), and chunk 0 runs Inductor's code once it is
+            ready, so the steady step is compiled throughout.
 
     Attributes:
         partitions: one `PartitionRecord` (forward graph, backward graph, offload slots)
@@ -313,10 +313,11 @@ class CompiledProgram:
             return compiled(*tensors)
         from sppo_fx.codegen import background
         device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-        later = None
-        if self.backend == "inductor" and background.enabled(device):
+        later, mode = None, background.mode(device) if self.backend == "inductor" else "off"
+        if mode != "off":
             later = functools.partial(self._compile_exact_later, with_constants(self.gm, args), grad_index)
-        program_ = background.ExactProgram(run, later, self.stats, f"{self.name} program", device)
+        program_ = background.ExactProgram(run, later, self.stats, f"{self.name} program", device,
+                                           wait=mode == "wait")
         self._exact.append(program_)
         return program_
 

@@ -290,7 +290,7 @@ ENV_CASES = [
     ("SPPO_FX_PROFILE_CACHE", "sometimes", ["SPPO_FX_PROFILE_CACHE='sometimes'", "on or off"]),
     ("SPPO_FX_FORK", "2", ["SPPO_FX_FORK='2'", "on or off"]),
     ("SPPO_FX_RECALIBRATE", "please", ["SPPO_FX_RECALIBRATE='please'", "on or off"]),
-    ("SPPO_FX_BACKGROUND_COMPILE", "sometimes", ["SPPO_FX_BACKGROUND_COMPILE='sometimes'", "auto, on or off"]),
+    ("SPPO_FX_BACKGROUND_COMPILE", "sometimes", ["SPPO_FX_BACKGROUND_COMPILE='sometimes'", "auto, on, wait or off"]),
     ("SPPO_FX_LOG_PASSES", "off", ["SPPO_FX_LOG_PASSES='off'", "reads as 1"]),
     ("SPPO_FX_LOG", "loud", ["SPPO_FX_LOG", "'loud'"]),
     ("SPPO_FX_CACHE_DIR", "cache", ["SPPO_FX_CACHE_DIR='cache'", "absolute path"]),

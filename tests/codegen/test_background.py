@@ -1,5 +1,6 @@
-"""Chunk 0's background compile's `auto` default (sppo_fx/codegen/background.py): on where a
-core is free for the child, off on a CPU whose step threads take every core (the 2-core demo)."""
+"""Chunk 0's compile's `auto` default (sppo_fx/codegen/background.py): beside the steps where
+a core is free for the child; where the step threads take every core (the 2-core demo) or no
+child can fork, at chunk 0's second call, which waits for it."""
 import pytest
 import torch
 
@@ -7,26 +8,26 @@ from sppo_fx.codegen import background
 from sppo_fx.errors import SppoError
 
 
-@pytest.mark.parametrize("device, cores, threads, forks, on", [
-    ("cpu", 2, 2, True, False),     # the 2-core demo: the step's threads take both cores
-    ("cpu", 2, 1, True, True),      # one thread a step: the other core is the child's
-    ("cpu", 16, 8, True, True),
-    ("cpu", 8, 8, True, False),
-    ("cpu", 8, 16, True, False),    # oversubscribed already
-    ("cpu", 16, 8, False, False),   # no fork (or no FX graph cache): it would stall a step here
-    ("cuda", 2, 2, False, True),    # the step runs on the GPU
-    ("cuda:1", 1, 1, False, True),
-    ("mps", 16, 1, True, False),
+@pytest.mark.parametrize("device, cores, threads, forks, mode", [
+    ("cpu", 2, 2, True, "wait"),    # the 2-core demo: the step's threads take both cores
+    ("cpu", 2, 1, True, "on"),      # one thread a step: the other core is the child's
+    ("cpu", 16, 8, True, "on"),
+    ("cpu", 8, 8, True, "wait"),
+    ("cpu", 8, 16, True, "wait"),   # oversubscribed already
+    ("cpu", 16, 8, False, "wait"),  # no fork (or no FX graph cache): compiled here, one step pays it
+    ("cuda", 2, 2, False, "on"),    # the step runs on the GPU
+    ("cuda:1", 1, 1, False, "on"),
+    ("mps", 16, 1, True, "off"),
 ])
-def test_auto_decision_from_core_and_thread_counts(device, cores, threads, forks, on):
+def test_auto_decision_from_core_and_thread_counts(device, cores, threads, forks, mode):
     chosen, why = background.auto_decision(device, cores, threads, forks)
-    assert chosen is on and why
+    assert chosen == mode and why
 
 
-@pytest.mark.parametrize("cores, threads, ranks, on", [(2, 1, 2, False), (4, 1, 2, True), (8, 2, 4, False)])
-def test_auto_counts_the_threads_of_every_local_rank(cores, threads, ranks, on):
+@pytest.mark.parametrize("cores, threads, ranks, mode", [(2, 1, 2, "wait"), (4, 1, 2, "on"), (8, 2, 4, "wait")])
+def test_auto_counts_the_threads_of_every_local_rank(cores, threads, ranks, mode):
     """Pipeline ranks on one machine (one thread each, `runtime.launch`) share its cores."""
-    assert background.auto_decision("cpu", cores, threads, True, ranks)[0] is on
+    assert background.auto_decision("cpu", cores, threads, True, ranks)[0] == mode
 
 
 @pytest.mark.parametrize("env, ranks", [({}, 1), ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, 4),
@@ -42,7 +43,8 @@ def test_local_ranks_from_the_launchers_environment(monkeypatch, env, ranks):
 def test_the_setting_defaults_to_auto_and_refuses_other_words(monkeypatch):
     monkeypatch.delenv(background.ENV, raising=False)
     assert background.setting() == "auto"
-    for value, word in [("on", "on"), ("1", "on"), ("OFF", "off"), ("no", "off"), ("auto", "auto"), (" ", "auto")]:
+    for value, word in [("on", "on"), ("1", "on"), ("OFF", "off"), ("no", "off"), ("auto", "auto"), (" ", "auto"),
+                        ("Wait", "wait")]:
         monkeypatch.setenv(background.ENV, value)
         assert background.setting() == word
     monkeypatch.setenv(background.ENV, "sometimes")
@@ -53,8 +55,8 @@ def test_the_setting_defaults_to_auto_and_refuses_other_words(monkeypatch):
         check_environment()  # refused before any training step
 
 
-@pytest.mark.parametrize("cores, threads, on", [(2, 2, False), (4, 2, True)])
-def test_auto_reads_this_machine(monkeypatch, cores, threads, on):
+@pytest.mark.parametrize("cores, threads, mode", [(2, 2, "wait"), (4, 2, "on")])
+def test_auto_reads_this_machine(monkeypatch, cores, threads, mode):
     """`enabled()` under auto asks the machine: usable cores and the step's intra-op threads."""
     from sppo_fx.util import forked
     monkeypatch.delenv(background.ENV, raising=False)
@@ -63,12 +65,14 @@ def test_auto_reads_this_machine(monkeypatch, cores, threads, on):
     monkeypatch.setattr(background, "_cache_on", lambda: True)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(background, "local_ranks", lambda: 1)
-    assert background.enabled("cpu") is on
-    assert background.enabled("cuda")
+    assert background.mode("cpu") == mode and background.enabled("cpu")
+    assert background.mode("cuda") == "on"
     monkeypatch.setenv(background.ENV, "off")
     assert not background.enabled("cpu") and not background.enabled("cuda")
     monkeypatch.setenv(background.ENV, "on")
-    assert background.enabled("cpu")
+    assert background.mode("cpu") == "on"
+    monkeypatch.setenv(background.ENV, "wait")
+    assert background.mode("cpu") == "wait"
 
 
 def _program(started: list, device="cpu"):
@@ -108,3 +112,24 @@ def test_on_starts_at_the_second_call_whatever_the_load(monkeypatch):
     prog()
     prog()
     assert started == [2]
+
+
+def test_wait_compiles_at_the_second_call_and_runs_the_compiled_code_there(monkeypatch):
+    """Mode "wait" (auto where the step threads take every core): chunk 0's second call
+    starts the compile, waits for it, and already runs Inductor's code; a busy machine does
+    not put it off (the steps would otherwise run op by op for good)."""
+    from sppo_fx.util import forked
+    monkeypatch.delenv(background.ENV, raising=False)
+    monkeypatch.setattr(forked, "a_core_is_free", lambda: False)
+    monkeypatch.setattr(forked, "can_fork", lambda: False)  # no child: the compile runs here
+    stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0, "background_compiles": 0,
+                               "background_failures": 0})()
+    compiles: list = []
+
+    def compile_(tensors):
+        compiles.append(tensors)
+        return lambda: (lambda *t: "compiled")
+    prog = background.ExactProgram(lambda *t: "eager", compile_, stats, "test", "cpu", wait=True)
+    assert [prog(1), prog(2), prog(3)] == ["eager", "compiled", "compiled"]
+    assert compiles == [(2,)] and stats.background_compiles == 1
+    assert (stats.exact_eager_calls, stats.exact_compiled_calls) == (1, 2)

@@ -155,13 +155,14 @@ def _steps_against_eager(model, compiled, x, steps, after=lambda step: None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("skeleton", ["keep", "offload"])
-def test_chunk_zero_runs_compiled_code_once_the_background_compile_is_done(monkeypatch, tmp_path, skeleton):
+@pytest.mark.parametrize("skeleton, mode", [("keep", "on"), ("offload", "on"), ("keep", "wait")])
+def test_chunk_zero_runs_compiled_code_once_the_background_compile_is_done(monkeypatch, tmp_path, skeleton, mode):
     """The first step runs chunk 0's AOTAutograd graphs op by op; its second call starts the
-    Inductor compile of the same exact-size program on a background thread (not a Dynamo
-    compile: `compiles` stays 1), and once it is done every call of chunk 0 runs the compiled
-    program. Exact against eager at every step."""
-    monkeypatch.setenv("SPPO_FX_BACKGROUND_COMPILE", "on")  # tests/conftest.py turns it off
+    Inductor compile of the same exact-size program in a forked child (not a Dynamo compile:
+    `compiles` stays 1), and once it is done every call of chunk 0 runs the compiled program;
+    under "wait" that second call waits for the compile and already runs it. Exact against
+    eager at every step."""
+    monkeypatch.setenv("SPPO_FX_BACKGROUND_COMPILE", mode)  # tests/conftest.py turns it off
     asked = _record_backends(monkeypatch)
     torch.manual_seed(0)
     model = build("llama", "tiny", n_layers=1)
@@ -171,12 +172,15 @@ def test_chunk_zero_runs_compiled_code_once_the_background_compile_is_done(monke
     stats = []
 
     def after(step):
-        if step == 1:
+        if step == 1 and mode == "on":
             assert compiled.codegen.wait_background(120)
         s = compiled.codegen.stats
         stats.append((s.exact_eager_calls, s.exact_compiled_calls, s.background_compiles))
     _steps_against_eager(model, compiled, x, 4, after)
-    assert stats == [(1, 0, 0), (2, 0, 1), (2, 1, 1), (2, 2, 1)]  # the compile started at step 1's call
+    if mode == "on":  # the compile started at step 1's call, which ran op by op
+        assert stats == [(1, 0, 0), (2, 0, 1), (2, 1, 1), (2, 2, 1)]
+    else:  # step 1's call waited for it and ran Inductor's code
+        assert stats == [(1, 0, 0), (1, 1, 1), (1, 2, 1), (1, 3, 1)]
     assert asked == ["inductor", "inductor (background)"]
     assert compiled.codegen.stats.compiles == 1 and compiled.codegen.stats.background_failures == 0
 
