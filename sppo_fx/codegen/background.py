@@ -28,7 +28,8 @@ Inductor's FX graph cache is on, started at a call that finds a core free
 (`forked.a_core_is_free`, checked again at each later call of chunk 0); or a CUDA program
 (the step runs on the GPU; no fork once CUDA is initialised, so the compile runs in this
 process at chunk 0's next call: that one step pays it). Where the step's threads take every
-core, or no child can fork, `auto` is `wait`: on the 2-core CPU machine (2 intra-op threads)
+core, or no child can fork, `auto` is `wait` (`off` in a rank of a larger process group,
+whose peers would wait on it past their timeout): on the 2-core CPU machine (2 intra-op threads)
 a child's compile beside the training steps slowed every one of them (the demo's steps 1-4
 ran at 6.4 s with it against 1.6 s without), and keeping chunk 0 op by op for good cost
 the steady step about 10% (the demo: 0.93 s against 0.81-0.83 s with chunk 0 compiled;
@@ -79,17 +80,21 @@ def setting() -> str:
     raise SppoError(f"environment variable {ENV}={value!r}: set it to auto, on, wait or off, or unset it (auto)")
 
 
-def auto_decision(device: str, usable_cores: int, threads: int, forks: bool, local_ranks: int = 1
-                  ) -> tuple[str, str]:
+def auto_decision(device: str, usable_cores: int, threads: int, forks: bool, local_ranks: int = 1,
+                  world: int = 1) -> tuple[str, str]:
     """`auto`'s choice for a program on `device` ("cpu", "cuda", ...) whose step runs
     `threads` intra-op threads in each of `local_ranks` processes on this machine (pipeline
     ranks), with `usable_cores` cores for this process, where a child can (`forks`) or
-    cannot be forked for the compile: (mode, why), mode one of `MODES`."""
+    cannot be forked for the compile, in a process group of `world` ranks: (mode, why),
+    mode one of `MODES`."""
     if device.startswith("cuda"):
         return "on", "the step runs on the GPU; the host compiles chunk 0 at its next call"
     if not device.startswith("cpu"):
         return "off", f"no Inductor compile of chunk 0 for {device} programs"
     busy = threads * max(local_ranks, 1)
+    if world > 1 and (not forks or usable_cores <= busy):
+        return "off", (f"one of {world} ranks: a step that waited for chunk 0's compile would keep its peers "
+                       "waiting past their timeout, and no core is free for a child beside the steps")
     if not forks:
         return "wait", ("no forked child (no os.fork, SPPO_FX_FORK=off or no FX graph cache): chunk 0's "
                         "second call compiles it here, and that step pays the compile")
@@ -121,9 +126,15 @@ def mode(device: str = "cpu") -> str:
         return chosen
     from sppo_fx.util.forked import can_fork, usable_cpus
     chosen, why = auto_decision(device, usable_cpus(), torch.get_num_threads(), can_fork() and _cache_on(),
-                                local_ranks())
+                                local_ranks(), _world())
     log.debug("chunk 0's compile (%s=auto): %s, %s", ENV, chosen, why)
     return chosen
+
+
+def _world() -> int:
+    """Ranks of the default process group (1 outside one)."""
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def enabled(device: str = "cpu") -> bool:

@@ -24,10 +24,17 @@ def test_auto_decision_from_core_and_thread_counts(device, cores, threads, forks
     assert chosen == mode and why
 
 
-@pytest.mark.parametrize("cores, threads, ranks, mode", [(2, 1, 2, "wait"), (4, 1, 2, "on"), (8, 2, 4, "wait")])
+@pytest.mark.parametrize("cores, threads, ranks, mode", [(2, 1, 2, "off"), (4, 1, 2, "on"), (8, 2, 4, "off")])
 def test_auto_counts_the_threads_of_every_local_rank(cores, threads, ranks, mode):
-    """Pipeline ranks on one machine (one thread each, `runtime.launch`) share its cores."""
-    assert background.auto_decision("cpu", cores, threads, True, ranks)[0] == mode
+    """Pipeline ranks on one machine (one thread each, `runtime.launch`) share its cores; a
+    rank never waits for the compile in a step (its peers would wait past their timeout)."""
+    assert background.auto_decision("cpu", cores, threads, True, ranks, world=ranks)[0] == mode
+
+
+@pytest.mark.parametrize("forks, cores, mode", [(True, 2, "off"), (False, 16, "off"), (True, 16, "on")])
+def test_auto_never_makes_a_rank_of_a_group_wait(forks, cores, mode):
+    """Data or sequence parallel ranks on other machines (one local rank): still no wait."""
+    assert background.auto_decision("cpu", cores, 2, forks, 1, world=4)[0] == mode
 
 
 @pytest.mark.parametrize("env, ranks", [({}, 1), ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, 4),
