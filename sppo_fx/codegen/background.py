@@ -189,8 +189,9 @@ class ExactProgram:
         self.calls += 1
         if self.calls >= 2 and self.compile is not None and self.job is None and self._may_start():
             self._start(tensors)  # the first call (its step) is over
-            if self.wait_for_it:
-                self.wait()  # this call pays the compile
+            if self.wait_for_it:  # this call pays the compile
+                if not self.wait(WAIT_LIMIT_S):
+                    self._compile_here_instead()
                 if self.compiled is not None:
                     self.stats.exact_compiled_calls += 1
                     return self.compiled(*tensors)
@@ -264,6 +265,16 @@ class ExactProgram:
             log.warning("compiling %s for chunk 0 failed; chunk 0 keeps AOTAutograd's graphs op by op",
                         self.name, exc_info=True)
 
+    def _compile_here_instead(self) -> None:
+        """Mode "wait" with a child still compiling after `WAIT_LIMIT_S` (stuck, say, on a
+        lock it inherited mid-use): leave it to finish on its own and compile here."""
+        log.warning("%s: chunk 0's compile in a forked child ran past %.0f s; compiling it in this process",
+                    self.name, WAIT_LIMIT_S)
+        if self.child is not None:
+            self.child.detach()  # reaped when it ends; a kill could leave its compiler's files half-written
+            self.child = None
+        self._finish()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the forked child's compile, at most `timeout` seconds, then take it here;
         whether chunk 0's compile is over."""
@@ -283,6 +294,10 @@ def _cache_on() -> bool:
 
 # Under auto, a busy machine (no core free for the child) is looked at again after this long
 RECHECK_S = 30.0
+
+# Mode "wait": the longest a step waits for the child's compile before compiling here (a
+# whole compile of the bench preset's chunk program took about 50 s on the 2-core machine)
+WAIT_LIMIT_S = 600.0
 
 # A forked compile still running this long ends itself (SIGALRM)
 CHILD_LIMIT_S = 7200

@@ -140,3 +140,22 @@ def test_wait_compiles_at_the_second_call_and_runs_the_compiled_code_there(monke
     assert [prog(1), prog(2), prog(3)] == ["eager", "compiled", "compiled"]
     assert compiles == [(2,)] and stats.background_compiles == 1
     assert (stats.exact_eager_calls, stats.exact_compiled_calls) == (1, 2)
+
+
+def test_wait_compiles_here_when_the_child_runs_past_the_limit(monkeypatch):
+    """Mode "wait" with a child that never finishes: after `WAIT_LIMIT_S` the child is left
+    to end on its own and the call compiles in this process, then runs the compiled code."""
+    monkeypatch.setattr(background, "WAIT_LIMIT_S", 0.01)
+    stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0, "background_compiles": 0,
+                               "background_failures": 0})()
+    detached: list = []
+    prog = background.ExactProgram(lambda *t: "eager", lambda tensors: (lambda: (lambda *t: "compiled")),
+                                   stats, "test", "cpu", wait=True)
+    child = type("Child", (), {"detach": lambda self: detached.append(True)})()
+
+    def start(tensors):
+        prog.job, prog.child = prog.compile(tensors), child
+    monkeypatch.setattr(prog, "_start", start)
+    monkeypatch.setattr(prog, "_child_running", lambda: prog.child is not None)  # stuck until detached
+    assert [prog(1), prog(2), prog(3)] == ["eager", "compiled", "compiled"]
+    assert detached == [True] and stats.background_compiles == 1
