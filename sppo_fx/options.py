@@ -298,7 +298,7 @@ def check_environment() -> None:
             raise SppoError(f"environment variable {var}={value!r}: set it to on or off (or 1/0, true/false, "
                             "yes/no), or unset it")
     from sppo_fx.codegen.background import setting as background_setting
-    background_setting()  # SPPO_FX_BACKGROUND_COMPILE: auto, on or off
+    background_setting()  # SPPO_FX_BACKGROUND_COMPILE: auto, on, wait or off
     passes = env.get("SPPO_FX_LOG_PASSES")
     if passes is not None and passes.strip() not in ("", "0", "1"):
         raise SppoError(f"environment variable SPPO_FX_LOG_PASSES={passes!r}: set it to 1 (print each graph after "
