@@ -29,7 +29,7 @@ Inductor's FX graph cache is on, started at a call that finds a core free
 (the step runs on the GPU; no fork once CUDA is initialised, so the compile runs in this
 process at chunk 0's next call: that one step pays it). Where the step's threads take every
 core, or no child can fork, `auto` is `wait` (`off` in a rank of a larger process group,
-whose peers would wait on it past their timeout): on the 2-core CPU machine (2 intra-op threads)
+CPU or GPU, whose peers would wait on it past their timeout): on the 2-core CPU machine (2 intra-op threads)
 a child's compile beside the training steps slowed every one of them (the demo's steps 1-4
 ran at 6.4 s with it against 1.6 s without), and keeping chunk 0 op by op for good cost
 the steady step about 10% (the demo: 0.93 s against 0.81-0.83 s with chunk 0 compiled;
@@ -87,6 +87,10 @@ def auto_decision(device: str, usable_cores: int, threads: int, forks: bool, loc
     ranks), with `usable_cores` cores for this process, where a child can (`forks`) or
     cannot be forked for the compile, in a process group of `world` ranks: (mode, why),
     mode one of `MODES`."""
+    if device.startswith("cuda") and world > 1:
+        # no child once CUDA is initialised: the compile would stall one rank's step
+        return "off", (f"one of {world} ranks: a step that compiled chunk 0 here would keep its peers "
+                       "waiting past their timeout")
     if device.startswith("cuda"):
         return "on", "the step runs on the GPU; the host compiles chunk 0 at its next call"
     if not device.startswith("cpu"):
@@ -125,8 +129,8 @@ def mode(device: str = "cpu") -> str:
     if chosen != "auto":
         return chosen
     from sppo_fx.util.forked import can_fork, usable_cpus
-    chosen, why = auto_decision(device, usable_cpus(), torch.get_num_threads(), can_fork() and _cache_on(),
-                                local_ranks(), _world())
+    forks = can_fork() and _cache_on() and not torch.cuda.is_initialized()  # as `_start` asks
+    chosen, why = auto_decision(device, usable_cpus(), torch.get_num_threads(), forks, local_ranks(), _world())
     log.debug("chunk 0's compile (%s=auto): %s, %s", ENV, chosen, why)
     return chosen
 

@@ -31,10 +31,12 @@ def test_auto_counts_the_threads_of_every_local_rank(cores, threads, ranks, mode
     assert background.auto_decision("cpu", cores, threads, True, ranks, world=ranks)[0] == mode
 
 
-@pytest.mark.parametrize("forks, cores, mode", [(True, 2, "off"), (False, 16, "off"), (True, 16, "on")])
-def test_auto_never_makes_a_rank_of_a_group_wait(forks, cores, mode):
-    """Data or sequence parallel ranks on other machines (one local rank): still no wait."""
-    assert background.auto_decision("cpu", cores, 2, forks, 1, world=4)[0] == mode
+@pytest.mark.parametrize("device, forks, cores, mode", [("cpu", True, 2, "off"), ("cpu", False, 16, "off"),
+                                                        ("cpu", True, 16, "on"), ("cuda", False, 16, "off")])
+def test_auto_never_makes_a_rank_of_a_group_wait(device, forks, cores, mode):
+    """Data or sequence parallel ranks on other machines (one local rank): no step of theirs
+    compiles chunk 0, on a CPU or (where no child can fork once CUDA is up) a GPU."""
+    assert background.auto_decision(device, cores, 2, forks, 1, world=4)[0] == mode
 
 
 @pytest.mark.parametrize("env, ranks", [({}, 1), ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, 4),
