@@ -87,8 +87,14 @@ def test_json_round_trip_and_table():
     assert all(name in table for name in PROFILES)
 
 
-def test_calibrate_cpu(tmp_path):
+def test_calibrate_cpu(tmp_path, monkeypatch):
+    # the element-wise bandwidth is the better of two windows apart: a stall in one (here
+    # the first) does not set it
+    from sppo_fx.solver import clock_calibration as cc
+    readings = iter([2e9, 6e9])
+    monkeypatch.setattr(cc, "elementwise_bytes_per_s", lambda device, budget_s: next(readings))
     pr = calibrate("cpu", seconds=1.0, dir=str(tmp_path))
+    assert pr.elementwise_bytes_per_s == 6e9
     assert pr.flops_per_s > 1e8                       # anything that runs a matmul at all
     assert pr.d2h_bytes_per_s == pr.h2d_bytes_per_s > 1e7
     assert pr.disk_write_bytes_per_s > 1e6 and pr.disk_read_bytes_per_s > 1e6
