@@ -87,18 +87,17 @@ def auto_decision(device: str, usable_cores: int, threads: int, forks: bool, loc
     ranks), with `usable_cores` cores for this process, where a child can (`forks`) or
     cannot be forked for the compile, in a process group of `world` ranks: (mode, why),
     mode one of `MODES`."""
-    if device.startswith("cuda") and world > 1:
-        # no child once CUDA is initialised: the compile would stall one rank's step
-        return "off", (f"one of {world} ranks: a step that compiled chunk 0 here would keep its peers "
-                       "waiting past their timeout")
-    if device.startswith("cuda"):
-        return "on", "the step runs on the GPU; the host compiles chunk 0 at its next call"
-    if not device.startswith("cpu"):
+    if not device.startswith(("cpu", "cuda")):
         return "off", f"no Inductor compile of chunk 0 for {device} programs"
     busy = threads * max(local_ranks, 1)
-    if world > 1 and (not forks or usable_cores <= busy):
-        return "off", (f"one of {world} ranks: a step that waited for chunk 0's compile would keep its peers "
-                       "waiting past their timeout, and no core is free for a child beside the steps")
+    # where chunk 0's compile would run inside a step of this process: on CUDA (no child once
+    # it is initialised), or a CPU with no child to fork or no core free for one
+    in_a_step = device.startswith("cuda") or not forks or usable_cores <= busy
+    if world > 1 and in_a_step:
+        return "off", (f"one of {world} ranks: a step that compiled chunk 0 would keep its peers waiting "
+                       "past their timeout, and no child can compile it beside the steps")
+    if device.startswith("cuda"):
+        return "on", "the step runs on the GPU; the host compiles chunk 0 at its next call"
     if not forks:
         return "wait", ("no forked child (no os.fork, SPPO_FX_FORK=off or no FX graph cache): chunk 0's "
                         "second call compiles it here, and that step pays the compile")
