@@ -155,7 +155,8 @@ def _copy_joint(joint: fx.GraphModule) -> fx.GraphModule:
     with warnings.catch_warnings():  # deepcopy of the output's pytree spec warns on a deprecated alias
         warnings.simplefilter("ignore", FutureWarning)
         graph = copy.deepcopy(joint.graph)
-    return fx.GraphModule(joint, graph)
+    from torch.fx._lazy_graph_module import _make_graph_module
+    return _make_graph_module(joint, graph)
 
 
 def _aot_forwards(program, args: list, partition: str, recomputes=("none",)):
@@ -182,8 +183,12 @@ def _aot_forwards(program, args: list, partition: str, recomputes=("none",)):
     def keep(gm, _inputs):
         return gm
 
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
     compiled = aot_function(fn, fw_compiler=keep, bw_compiler=keep, partition_fn=part)
-    compiled(*[args[i] for i in slots])
+    # the partitions' graphs are read, never run (but the last forward, once): their
+    # Python code is generated only where called
+    with _use_lazy_graph_module(True):
+        compiled(*[args[i] for i in slots])
     if len(rec) != len(parts):
         raise SppoError("cost model: AOTAutograd produced no forward/backward partition "
                         "(does the chunk program depend on anything that requires grad?)")
