@@ -253,11 +253,15 @@ def attention_figures(device, budget_s: float = 0.3) -> tuple[float, float, tupl
       diagonal's tiles whole: 1.3-1.8x at 256-512 queries on a CPU, about 1.1 at 1024.
 
     On a CPU attention is bound by its softmax and memory traffic more than by FLOPs (a head
-    dim of 8 runs at a few percent of the matmul rate), hence figures of its own. One head on
-    a CPU (the cost is linear in heads there; 1 head is a quarter of the time of 4, so more
-    repetitions fit), four on a GPU."""
+    dim of 8 runs at a few percent of the matmul rate), hence figures of its own. At least
+    four heads, and no fewer than the torch threads on a CPU: the CPU kernel splits its work
+    over heads and query blocks, so one head leaves threads idle (2 threads: 6.2 ns a pair
+    and head on one head, 4.4 on two, 4.2 on four, where the models have 4-12 heads), and
+    some processes ran one head at twice that again for their whole life (11 ns, one
+    calibration in three or four); on 4 heads neither was seen."""
+    import torch
     c, p = 256, 768
-    heads = 1 if device.type == "cpu" else 4
+    heads = max(4, torch.get_num_threads()) if device.type == "cpu" else 4
     timer = compute_timer(device)
     call = attention_call_seconds(device, budget_s / 8)
     fns = [_attention_pass(device, c, p, d, heads) for d in ATTENTION_DIMS]

@@ -211,6 +211,30 @@ def test_the_attention_tables_are_measured():
     assert e >= 0 and f >= 0
 
 
+@pytest.mark.parametrize("threads, heads", [(1, 4), (2, 4), (8, 8)])
+def test_cpu_attention_is_timed_on_as_many_heads_as_threads(monkeypatch, threads, heads):
+    # the CPU kernel splits its work over heads: on one head, threads sit idle and the
+    # figure per pair and head came out 1.5x (some processes 2.6x) what the models' 4-12
+    # heads cost on 2 threads
+    import torch
+    from sppo_fx.solver import clock_calibration as cc
+    seen = []
+    real = cc._attention_pass
+
+    def recording(device, c, p, d, h=4):
+        seen.append((c, h))
+        return real(device, 8, 8, 8, 1)  # tiny work: what is checked is the heads asked for
+    monkeypatch.setattr(cc, "_attention_pass", recording)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        cc.attention_figures(torch.device("cpu"), 0.0)
+    finally:
+        torch.set_num_threads(before)
+    assert {h for c, h in seen if c >= 256} == {heads}  # shorter shapes run more heads
+    assert all(h >= heads for c, h in seen if c >= 128)  # (the call-cost probe: 1 query)
+
+
 def test_compute_is_timed_in_cpu_time_on_one_thread():
     # a core shared with another process slows a repetition's wall time however many run;
     # CPU time does not count the time the core was elsewhere (here: asleep)
