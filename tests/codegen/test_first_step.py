@@ -155,7 +155,7 @@ def _steps_against_eager(model, compiled, x, steps, after=lambda step: None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("skeleton, mode", [("keep", "on"), ("offload", "on"), ("keep", "wait")])
+@pytest.mark.parametrize("skeleton, mode", [("keep", "on"), ("offload", "on"), ("keep", "wait"), ("offload", "wait")])
 def test_chunk_zero_runs_compiled_code_once_the_background_compile_is_done(monkeypatch, tmp_path, skeleton, mode):
     """The first step runs chunk 0's AOTAutograd graphs op by op; its second call starts the
     Inductor compile of the same exact-size program in a forked child (not a Dynamo compile:
