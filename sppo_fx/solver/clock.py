@@ -24,8 +24,10 @@
                  each streamed block): `attention_call_seconds`, the chunk attention's fixed
                  cost forward + backward, which makes short chunks dearer than their pairs
                  say; per file the disk tier writes or reads:
-                 `file_seconds`; per streamed skeleton block: its attention call's ops; per
-                 stream of a streamed skeleton (chunk, pass): one read task at `file_seconds`
+                 `file_seconds`; per streamed skeleton block read: `read_seconds` (measured
+                 on the streamed op, `clock_calibration.skeleton_read_seconds`; where the
+                 profile has none, its attention call's ops and half a call); per stream of
+                 a streamed skeleton (chunk, pass): one read task at `file_seconds`
 
 A streamed skeleton re-reads every earlier block per chunk (forward and backward): its bytes
 and its blocks' attention calls grow as N^2 over N chunks, which these terms charge, so the
@@ -72,6 +74,8 @@ class Clock:
             1).
         elementwise_bytes_per_s: bytes/s of a chain of element-wise ops on chunk-sized
             tensors (0: the element-wise term is left out).
+        read_seconds: what one streamed skeleton block read adds beyond its pairs (0:
+            `BLOCK_OPS` ops and half an attention call stand in).
     """
 
     op_seconds: float = 0.0
@@ -84,6 +88,7 @@ class Clock:
     attention_square: tuple = ()
     attention_size: tuple = ()
     elementwise_bytes_per_s: float = 0.0
+    read_seconds: float = 0.0
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -95,7 +100,7 @@ class Clock:
                    get("attention_call_seconds"),
                    _table(profile, "attention_by_dim"), _table(profile, "attention_square"),
                    _table(profile, "attention_size"),
-                   get("elementwise_bytes_per_s"))
+                   get("elementwise_bytes_per_s"), get("skeleton_read_seconds"))
 
     def elementwise_seconds(self, cost, tokens: float, recompute_fraction: float = 0.0) -> float:
         """Seconds of the element-wise ops of `tokens` tokens, forward and backward; a
@@ -195,6 +200,9 @@ def overhead_seconds(cost, n_chunks: int, files: int, block_reads: int, clock: C
     chunk; streamed blocks, each its own call with `BLOCK_OPS` ops more for the merge)."""
     ops = getattr(cost, "ops", 0) * (1 + 2 + recompute_fraction) * n_chunks / max(clock.compiled_speedup, 1.0)
     calls = len(getattr(cost, "attention", ())) * n_chunks * (1 + recompute_fraction / 2)  # fwd = 1/2 a call
+    if clock.read_seconds:  # measured on the streamed op itself
+        return (ops * clock.op_seconds + files * clock.file_seconds + calls * clock.attention_call_seconds
+                + block_reads * clock.read_seconds)
     calls += block_reads / 2  # block_reads: forward and backward
     return ((ops + BLOCK_OPS * block_reads) * clock.op_seconds + files * clock.file_seconds
             + calls * clock.attention_call_seconds)

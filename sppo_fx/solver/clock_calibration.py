@@ -334,3 +334,70 @@ def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6) -> floa
         return None
     finally:
         torch.random.set_rng_state(state)
+
+
+class _ProbeBlocks:
+    """The active chunk memory the streamed attention op asks for its blocks' stream and a
+    place for their gradients, over a bare `SkeletonLog` (`skeleton_read_seconds`)."""
+
+    def __init__(self, log, blocks):
+        self.log, self.blocks, self.grads = log, blocks, {}
+
+    def kv_blocks(self, site):
+        return self.log.stream(self.blocks)
+
+    def kv_add_grad(self, site, j, dk, dv):
+        for slot, g in ((2 * j, dk), (2 * j + 1, dv)):
+            acc = self.grads.get(slot)
+            self.grads[slot] = g if acc is None else acc.add_(g)
+
+
+#: the streamed-block probe's shape (`skeleton_read_seconds`): 16-token blocks and queries
+#: (the minimum plans' chunks), 4 query heads on 2 K/V heads, head dim 16
+READ_PROBE = dict(tokens=16, heads=4, kv_heads=2, dim=16)
+
+
+def skeleton_read_seconds(budget_s: float = 0.1, pair_seconds: float = 0.0) -> float:
+    """Seconds one streamed K/V skeleton block read adds to a CPU chunk program, the
+    block's (query, key) pairs taken out (the attention term charges those): the library's
+    streamed attention op, forward and backward, on one chunk against 8 and against 40 blocks
+    read back through the runtime's `SkeletonLog` (each block is read twice, once a pass),
+    (t(40) - t(8)) / 64, less `pair_seconds` (the profile's per pair and head at the probe's
+    head dim) times a block's pairs. What a read costs: the blocks' pread and checksum, the
+    attention call on the block, its log-sum-exp merge, its gradients' accumulation. The
+    same program measured it: tiny Llama in 64-256 chunks of 16-32 tokens, streamed minus
+    kept, 50-58 us a read on this machine, where the op here reads 45-50
+    (docs/solver-clock.md). The clock charged `BLOCK_OPS` ops and half an attention call
+    before (121 us)."""
+    import torch
+    from sppo_fx.ops.offload import active_memory
+    from sppo_fx.ops.skeleton import streamed_prefix_attention
+    from sppo_fx.runtime.skeleton_log import SkeletonLog
+    c, h, kv, d = (READ_PROBE[k] for k in ("tokens", "heads", "kv_heads", "dim"))
+    directory = tempfile.mkdtemp(prefix="sppo-fx-read-probe-")
+    logs = []
+
+    def probe(n_blocks: int):
+        log = SkeletonLog(directory)
+        logs.append(log)
+        memory = _ProbeBlocks(log, [(log.put(torch.randn(1, kv, c, d)), log.put(torch.randn(1, kv, c, d)))
+                                    for _ in range(n_blocks)])
+        q = torch.randn(1, h, c, d, requires_grad=True)
+        k, v = (torch.randn(1, kv, c, d, requires_grad=True) for _ in range(2))
+        hk, hv = torch.empty(1, kv, n_blocks * c, d, 0), torch.empty(1, kv, n_blocks * c, d, 0)
+
+        def run():
+            with active_memory(memory):
+                streamed_prefix_attention(q, hk, k, hv, v, 0, enable_gqa=True).sum().backward()
+        return run
+
+    try:
+        t8, t40 = best_each([probe(8), probe(40)], budget_s, min_rounds=3, max_rounds=60)
+    finally:
+        for log in logs:
+            log.close()
+        for name in os.listdir(directory):
+            os.remove(os.path.join(directory, name))
+        os.rmdir(directory)
+    per_read = (t40 - t8) / (2 * 32)
+    return max(per_read - c * c * h * pair_seconds / 2, 0.0)

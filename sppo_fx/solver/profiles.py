@@ -71,6 +71,9 @@ class DeviceProfile:
             over `attention_by_dim`'s (measured at 256); (): 1.
         elementwise_bytes_per_s: bytes/s a chain of element-wise ops reads and writes on
             chunk-sized fp32 tensors (the clock's element-wise term); 0: unknown, left out.
+        skeleton_read_seconds: what one streamed K/V skeleton block read adds to a chunk
+            program beyond its pairs (`clock_calibration.skeleton_read_seconds`); 0:
+            unknown, the clock charges `BLOCK_OPS` ops and half an attention call instead.
     """
 
     name: str
@@ -94,6 +97,7 @@ class DeviceProfile:
     attention_square: tuple = ()
     attention_size: tuple = ()
     elementwise_bytes_per_s: float = 0.0
+    skeleton_read_seconds: float = 0.0
 
     def efficiency(self, tokens_per_chunk: float) -> float:
         """Fraction of `flops_per_s` reached by a chunk of this many tokens.
@@ -185,7 +189,7 @@ class DeviceProfile:
             raise SppoError(f"DeviceProfile disk_cached_write_bytes_per_s={self.disk_cached_write_bytes_per_s!r}: "
                             "give a positive finite rate, or None (unknown)")
         for field in ("op_seconds", "file_seconds", "attention_pair_seconds", "attention_pair_dim_seconds",
-                      "attention_call_seconds"):
+                      "attention_call_seconds", "skeleton_read_seconds"):
             value = getattr(self, field)
             if not number(value) or value < 0:
                 raise SppoError(f"DeviceProfile {field}={value!r}: give a finite number of seconds >= 0")
@@ -237,7 +241,9 @@ class DeviceProfile:
                             if self.attention_by_dim else
                             f"attention {self.attention_pair_seconds * 1e9:.2f} + d x "
                             f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head, ")
-                         + f"{self.attention_call_seconds * 1e6:.0f} us per call")]
+                         + f"{self.attention_call_seconds * 1e6:.0f} us per call"
+                         + (f", {self.skeleton_read_seconds * 1e6:.0f} us per streamed block read"
+                            if self.skeleton_read_seconds else ""))]
               if self.op_seconds or self.file_seconds or self.attention_pair_seconds or self.attention_call_seconds
               or self.attention_by_dim else []),
             *([("element-wise", f"{self.elementwise_bytes_per_s / 1e9:.2f} GB/s")]

@@ -1,6 +1,8 @@
 """The solver's clock (`sppo_fx/solver/clock.py`): its terms on hand-made profiles, the plans
 they make the solver choose, and the benchmark's accuracy summary. No model runs here."""
+import dataclasses
 import math
+import time
 
 import pytest
 
@@ -113,6 +115,34 @@ def test_streamed_skeleton_blocks_still_cost_their_attention_calls():
     assert overhead(16) / overhead(8) == pytest.approx(16 * 15 / (8 * 7))
 
 
+def test_a_measured_block_read_replaces_the_ops_and_half_a_call():
+    """With the profile's `skeleton_read_seconds` a streamed block read costs that figure,
+    not `BLOCK_OPS` ops and half an attention call (which overcharged the minimum plans'
+    reads about 2x on this machine, docs/solver-clock.md)."""
+    n, lengths, blocks = 8, [T // 8] * 8, [2 * i for i in range(8)]
+    reads = 2 * sum(blocks)  # forward and backward
+
+    def stream_cost(clock):
+        def overhead(skeleton_blocks):
+            return step_terms(COST, lengths, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock,
+                              skeleton_blocks=skeleton_blocks).overhead
+        return overhead(blocks) - overhead(None)
+    composite = Clock(op_seconds=1e-6, attention_call_seconds=1e-4)
+    measured = dataclasses.replace(composite, read_seconds=3e-5)
+    assert stream_cost(measured) == pytest.approx(reads * 3e-5)
+    assert stream_cost(composite) == pytest.approx(reads * (8 * 1e-6 + 1e-4 / 2))
+
+
+def test_a_cheaper_block_read_makes_the_solver_stream_the_skeleton():
+    """The ranking of a streamed and a kept skeleton flips with the read's measured cost."""
+    kw = dict(skeletons=("keep", "offload"))
+    budget = 14 << 20
+    cheap = _solve(budget, 1e10, Clock(file_seconds=1e-5, read_seconds=1e-7), **kw)
+    dear = _solve(budget, 1e10, Clock(file_seconds=1e-5, read_seconds=1e-2), **kw)
+    assert cheap.skeleton == "offload" and dear.skeleton == "keep"
+    assert dear.step_seconds > cheap.step_seconds
+
+
 def test_a_full_recompute_streams_the_skeleton_a_third_time():
     """Recompute "full" calls every chunk's prefix attention again in the backward, so a
     streamed skeleton is read in three passes, not two: its blocks' calls and ops, its read
@@ -167,6 +197,8 @@ def test_clock_of_a_profile_and_its_checks():
                         compiled_speedup=2.0)
     assert Clock.of(cpu).file_seconds == 1e-4 and Clock.of(cpu, tier="host").file_seconds == 0
     assert Clock.of(cpu, compiled=False).compiled_speedup == 1.0
+    assert Clock.of(cpu).read_seconds == 0 and Clock.of(dataclasses.replace(cpu, skeleton_read_seconds=4e-5)
+                                                        ).read_seconds == 4e-5
     bad = dict(cpu.to_dict(), op_seconds=-1.0)
     with pytest.raises(SppoError, match="op_seconds"):
         DeviceProfile.from_dict(bad)
@@ -176,6 +208,23 @@ def test_the_clock_figures_are_measured():
     from sppo_fx.solver import clock_calibration as cc
     assert 0 < cc.op_seconds(0.01) < 1e-2
     assert 0 < cc.file_seconds(budget_s=0.01, files=4) < 1.0
+
+
+def test_the_block_read_figure_is_measured_on_the_reads(monkeypatch):
+    """`skeleton_read_seconds` times the streamed op's block reads: a millisecond more per
+    block the log yields shows as about a millisecond more per read."""
+    from sppo_fx.runtime.skeleton_log import SkeletonLog
+    from sppo_fx.solver import clock_calibration as cc
+    plain = cc.skeleton_read_seconds(0.02)
+    assert 0 < plain < 1e-3
+    stream = SkeletonLog.stream
+
+    def slow_stream(self, blocks):
+        for pair in stream(self, blocks):
+            time.sleep(1e-3)
+            yield pair
+    monkeypatch.setattr(SkeletonLog, "stream", slow_stream)
+    assert cc.skeleton_read_seconds(0.02) > plain + 0.8e-3
 
 
 def test_accuracy_summary_is_median_and_worst_abs_log():
