@@ -108,9 +108,15 @@ def memory_models(entry: Entry, policies) -> list:
 
 
 def device_profile(entry: Entry, options: CompileOptions, profile=None):
-    """The DeviceProfile of the entry's device (`profile` when known already)."""
+    """The DeviceProfile of the entry's device (`profile` when known already); where the
+    plan may stream the K/V skeleton, its block read measured at the model's attention shape
+    (`clock_calibration.with_model_reads`: a read's cost grows with heads and head dim)."""
+    from sppo_fx.solver.clock_calibration import with_model_reads
     from sppo_fx.solver.profile_cache import device_profile as stored_or_calibrated
-    return profile or stored_or_calibrated(entry.device(), dir=options.offload_dir)
+    profile = profile or stored_or_calibrated(entry.device(), dir=options.offload_dir)
+    if options.offload and options.skeleton in ("auto", "offload") and entry.cost is not None:
+        profile = with_model_reads(profile, entry.cost)
+    return profile
 
 
 def plan_call(entry: Entry, options: CompileOptions, seq_len: int, tensors: list[torch.Tensor],

@@ -12,6 +12,7 @@ hand-offs to the runtime's threads are waits a user's step pays).
 """
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import tempfile
@@ -352,28 +353,30 @@ class _ProbeBlocks:
             self.grads[slot] = g if acc is None else acc.add_(g)
 
 
-#: the streamed-block probe's shape (`skeleton_read_seconds`): 16-token blocks and queries
-#: (the minimum plans' chunks), 4 query heads on 2 K/V heads, head dim 16
+#: the streamed-block probe's shape at calibration (`skeleton_read_seconds`): 16-token
+#: blocks and queries (the minimum plans' chunks), 4 query heads on 2 K/V heads, head dim 16
 READ_PROBE = dict(tokens=16, heads=4, kv_heads=2, dim=16)
 
 
-def skeleton_read_seconds(budget_s: float = 0.1, pair_seconds: float = 0.0) -> float:
+def skeleton_read_seconds(budget_s: float = 0.1, pair_seconds: float = 0.0, *, heads: int = 4, kv_heads: int = 2,
+                          dim: int = 16, tokens: int = 16) -> float:
     """Seconds one streamed K/V skeleton block read adds to a CPU chunk program, the
     block's (query, key) pairs taken out (the attention term charges those): the library's
-    streamed attention op, forward and backward, on one chunk against 8 and against 40 blocks
-    read back through the runtime's `SkeletonLog` (each block is read twice, once a pass),
-    (t(40) - t(8)) / 64, less `pair_seconds` (the profile's per pair and head at the probe's
-    head dim) times a block's pairs. What a read costs: the blocks' pread and checksum, the
-    attention call on the block, its log-sum-exp merge, its gradients' accumulation. The
-    same program measured it: tiny Llama in 64-256 chunks of 16-32 tokens, streamed minus
-    kept, 50-58 us a read on this machine, where the op here reads 45-50
+    streamed attention op, forward and backward, on one chunk of `tokens` queries against 8
+    and against 40 blocks of `tokens` keys read back through the runtime's `SkeletonLog`
+    (each block is read twice, once a pass), (t(40) - t(8)) / 64, less `pair_seconds` (per
+    pair and head at `dim`) times a block's pairs. What a read costs: the block's pread and
+    checksum, the attention call on it, the log-sum-exp merge, its gradients' accumulation.
+    It grows with the heads and the head dim (the merge and the kernel's per-head work), so
+    a model is charged its own shape's figure (`orchestrate.stage.device_profile`). Inside
+    a real program the same reads took 1.15-1.35x what this probe reads on this machine
     (docs/solver-clock.md). The clock charged `BLOCK_OPS` ops and half an attention call
-    before (121 us)."""
+    before (121 us, 2-2.5x a read)."""
     import torch
     from sppo_fx.ops.offload import active_memory
     from sppo_fx.ops.skeleton import streamed_prefix_attention
     from sppo_fx.runtime.skeleton_log import SkeletonLog
-    c, h, kv, d = (READ_PROBE[k] for k in ("tokens", "heads", "kv_heads", "dim"))
+    c, h, kv, d = tokens, heads, kv_heads, dim
     directory = tempfile.mkdtemp(prefix="sppo-fx-read-probe-")
     logs = []
 
@@ -388,7 +391,7 @@ def skeleton_read_seconds(budget_s: float = 0.1, pair_seconds: float = 0.0) -> f
 
         def run():
             with active_memory(memory):
-                streamed_prefix_attention(q, hk, k, hv, v, 0, enable_gqa=True).sum().backward()
+                streamed_prefix_attention(q, hk, k, hv, v, 0, enable_gqa=kv != h).sum().backward()
         return run
 
     try:
@@ -401,3 +404,23 @@ def skeleton_read_seconds(budget_s: float = 0.1, pair_seconds: float = 0.0) -> f
         os.rmdir(directory)
     per_read = (t40 - t8) / (2 * 32)
     return max(per_read - c * c * h * pair_seconds / 2, 0.0)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_at(heads: int, dim: int, pair_seconds: float) -> float:
+    return skeleton_read_seconds(0.05, pair_seconds, heads=heads, kv_heads=heads, dim=dim)
+
+
+def with_model_reads(profile, cost):
+    """`profile` with its `skeleton_read_seconds` measured at `cost`'s widest attention
+    site (batch x heads, head dim; its K/V heads taken as many, which the cost model does
+    not tell): a probe of about 0.1 s, once per shape and process. Unchanged where the
+    profile has no read figure (a GPU's, a spec's) or the model no attention site."""
+    import dataclasses
+    from sppo_fx.solver.clock import Clock
+    sites = getattr(cost, "attention", ())
+    if not getattr(profile, "skeleton_read_seconds", 0.0) or not sites:
+        return profile
+    heads, dim = max(sites, key=lambda s: s[0] * s[1])
+    read = _read_at(int(heads), int(dim), Clock.of(profile).pair_seconds(dim))
+    return dataclasses.replace(profile, skeleton_read_seconds=read) if read > 0 else profile

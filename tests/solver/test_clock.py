@@ -245,3 +245,24 @@ def test_accuracy_summary_is_median_and_worst_abs_log():
 
 def test_step_terms_total():
     assert StepTerms(1, 2, 3, 4).total == 10
+
+
+def test_a_model_is_charged_the_block_read_of_its_own_attention_shape():
+    """A read's cost grows with heads and head dim (the merge, the kernel's per-head work):
+    the orchestrator's profile carries the read measured at the model's widest site."""
+    import types
+    from sppo_fx.options import compile_options
+    from sppo_fx.orchestrate.stage import device_profile
+    from sppo_fx.solver.clock_calibration import with_model_reads
+    from sppo_fx.solver.partition import ChunkCostModel
+    cpu = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, op_seconds=1e-5, skeleton_read_seconds=4e-5,
+                        attention_by_dim=((8, 1e-9), (64, 2e-9)))
+    narrow, wide = (ChunkCostModel(per_token=1e6, per_pair=1e3, ops=10, attention=sites)
+                    for sites in (((4, 8),), ((4, 8), (24, 64))))
+    small, large = (with_model_reads(cpu, cost).skeleton_read_seconds for cost in (narrow, wide))
+    assert 0 < small < large and small != 4e-5
+    assert with_model_reads(get_profile("h100"), wide) == get_profile("h100")  # no read figure: unchanged
+    entry = types.SimpleNamespace(cost=wide, device=lambda: "cpu")
+    streams = compile_options(budget="1GiB", offload="disk")
+    assert device_profile(entry, streams, cpu).skeleton_read_seconds == large
+    assert device_profile(entry, compile_options(budget="1GiB", offload="disk", skeleton="keep"), cpu) is cpu
