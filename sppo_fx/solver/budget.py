@@ -81,7 +81,8 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
         attn = attention_seconds(cost, c, t, clock)
         flops = cost.forward_flops(c, t) if attn is None else cost.per_token * c
         f = flops / (rate * c / (c + c_half)) / max(clock.compiled_speedup, 1e-9)
-        terms.compute += f * scale
+        terms.compute += f * scale + clock.weight_seconds(cost, recompute_fraction)
+        f += clock.weight_seconds(cost) / 2  # the forward's read
         if attn is not None:
             terms.attention += attn * (1 + recompute_fraction / (1 + cost.backward_factor))
             f += attn / (1 + cost.backward_factor)  # the forward's share (backward: about twice)

@@ -209,13 +209,15 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     attn_e, attn_f, attn_by_dim, attn_square, attn_size = cc.attention_figures(dev, 0.25 * seconds)
     attn_call = cc.attention_call_seconds(dev, 0.05 * seconds)
     elementwise_bw = max(elementwise_early, cc.elementwise_bytes_per_s(dev, 0.04 * seconds))
-    read_s = 0.0
+    read_s = weight_s = 0.0
+    cache = cc.last_level_cache_bytes() if dev.type == "cpu" else 0
     if dev.type == "cpu":  # a real chunk program's per-op cost (on CUDA: the plain-op figure)
         op_s = cc.program_op_seconds(attn_call, 0.3 * seconds) or op_s
         # a streamed block's read, its pairs at the probe's head dim taken out (on CUDA: not
         # measured, the clock's composite of ops and half a call)
         probe_pair = dict(attn_by_dim).get(cc.READ_PROBE["dim"], attn_e + cc.READ_PROBE["dim"] * attn_f)
         read_s = cc.skeleton_read_seconds(0.03 * seconds, probe_pair)
+        weight_s = cc.weight_read_seconds(0.03 * seconds, cache)
 
     elapsed = time.perf_counter() - t_start
     return DeviceProfile(
@@ -229,6 +231,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         attention_square=tuple((int(c), float(x)) for c, x in attn_square),
         attention_size=tuple((int(c), float(x)) for c, x in attn_size),
         elementwise_bytes_per_s=float(elementwise_bw), skeleton_read_seconds=float(read_s),
+        weight_read_seconds=float(weight_s), cache_bytes=int(cache),
         source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, "
                f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")

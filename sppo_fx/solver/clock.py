@@ -3,7 +3,10 @@
     step = compute + attention + element-wise + exposed copy + overheads
 
     compute      matmul FLOPs outside attention at the profile's rate and chunk efficiency
-                 (`DeviceProfile.compute_seconds`), forward x (1 + backward factor + recompute)
+                 (`DeviceProfile.compute_seconds`), forward x (1 + backward factor + recompute);
+                 and where the model's weights exceed the processor's cache, every chunk
+                 reads them from memory in its forward, its backward (the input gradient's
+                 matmuls) and a full recompute: weight bytes x `weight_read_seconds` each
     attention    per causal (query, key) pair and head: seconds at the head dim d (forward and
                  backward), from the calibrated per-dim table (`DeviceProfile.attention_by_dim`,
                  interpolated), else e + d·f (`attention_pair_seconds`, `..._dim_seconds`); a
@@ -76,6 +79,8 @@ class Clock:
             tensors (0: the element-wise term is left out).
         read_seconds: what one streamed skeleton block read adds beyond its pairs (0:
             `BLOCK_OPS` ops and half an attention call stand in).
+        weight_read_seconds: seconds per weight byte read from memory rather than the
+            cache (0: not charged); cache_bytes: the cache weights must exceed for it.
     """
 
     op_seconds: float = 0.0
@@ -89,6 +94,8 @@ class Clock:
     attention_size: tuple = ()
     elementwise_bytes_per_s: float = 0.0
     read_seconds: float = 0.0
+    weight_read_seconds: float = 0.0
+    cache_bytes: int = 0
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -100,7 +107,17 @@ class Clock:
                    get("attention_call_seconds"),
                    _table(profile, "attention_by_dim"), _table(profile, "attention_square"),
                    _table(profile, "attention_size"),
-                   get("elementwise_bytes_per_s"), get("skeleton_read_seconds"))
+                   get("elementwise_bytes_per_s"), get("skeleton_read_seconds"), get("weight_read_seconds"),
+                   int(get("cache_bytes")))
+
+    def weight_seconds(self, cost, recompute_fraction: float = 0.0) -> float:
+        """Seconds one chunk spends reading the model's weights from memory: its forward,
+        its backward's input-gradient matmuls and a recompute's forward each read them once;
+        0 where they fit the cache or the profile has no figure."""
+        weights = getattr(cost, "weight_bytes", 0.0)
+        if not self.weight_read_seconds or weights <= self.cache_bytes:
+            return 0.0
+        return (2 + recompute_fraction) * weights * self.weight_read_seconds
 
     def elementwise_seconds(self, cost, tokens: float, recompute_fraction: float = 0.0) -> float:
         """Seconds of the element-wise ops of `tokens` tokens, forward and backward; a

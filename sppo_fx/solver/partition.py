@@ -43,6 +43,9 @@ class ChunkCostModel:
         elementwise_bytes: bytes per token the forward's memory-bound ops (pointwise,
             norms, reductions, copies; not matmuls or attention) read and write: the
             clock's element-wise term (`solver.clock`).
+        weight_bytes: bytes of the matmuls' operands that do not grow with the sequence
+            (weights), read once by a chunk's forward: the clock's weight streaming
+            (`solver.clock`), where they do not stay in the processor's cache.
     """
 
     per_token: float
@@ -51,6 +54,7 @@ class ChunkCostModel:
     ops: int = 0
     attention: tuple = ()
     elementwise_bytes: float = 0.0
+    weight_bytes: float = 0.0
 
     def forward_flops(self, length: int, start: int) -> float:
         return self.per_token * length + self.per_pair * length * (start + (length + 1) / 2)
@@ -61,7 +65,8 @@ class ChunkCostModel:
 
     def scaled(self, factor: float) -> "ChunkCostModel":
         return ChunkCostModel(self.per_token * factor, self.per_pair * factor, self.backward_factor, self.ops,
-                              tuple((bh * factor, d) for bh, d in self.attention), self.elementwise_bytes * factor)
+                              tuple((bh * factor, d) for bh, d in self.attention), self.elementwise_bytes * factor,
+                              self.weight_bytes * factor)
 
 
 def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostModel:
@@ -75,7 +80,7 @@ def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostMod
     """
     from sppo_fx.passes.cost import elementwise_bytes
     from sppo_fx.passes.stage_split import node_flops
-    per_token, per_pair, ops, sites, moved = 0.0, 0.0, 0, [], 0.0
+    per_token, per_pair, ops, sites, moved, weights = 0.0, 0.0, 0, [], 0.0, 0.0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -92,7 +97,23 @@ def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostMod
             continue
         f1, f2 = node_flops(node, seq, 1024), node_flops(node, seq, 2048)
         per_token += max(f2 - f1, 0.0) / 1024
-    return ChunkCostModel(per_token, per_pair, ops=ops, attention=tuple(sites), elementwise_bytes=moved)
+        if node.target in _MATMULS:
+            weights += sum(_fixed_bytes(a) for a in node.args if isinstance(a, fx.Node))
+    return ChunkCostModel(per_token, per_pair, ops=ops, attention=tuple(sites), elementwise_bytes=moved,
+                          weight_bytes=weights)
+
+
+_MATMULS = (torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten.matmul.default, torch.ops.aten.bmm.default)
+
+
+def _fixed_bytes(node: fx.Node) -> float:
+    """Bytes of a tensor operand whose shape does not depend on the sequence (a weight,
+    a bias); 0 for one that does (the tokens)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or any(isinstance(s, torch.SymInt) for s in val.shape):
+        return 0.0
+    return float(val.numel() * val.element_size())
 
 
 def _per_token(expr, seq: sympy.Symbol) -> float:

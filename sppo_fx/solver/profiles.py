@@ -74,6 +74,10 @@ class DeviceProfile:
         skeleton_read_seconds: what one streamed K/V skeleton block read adds to a chunk
             program beyond its pairs (`clock_calibration.skeleton_read_seconds`); 0:
             unknown, the clock charges `BLOCK_OPS` ops and half an attention call instead.
+        weight_read_seconds: seconds per byte a matmul pays more for a weight read from
+            memory than from the cache (`clock_calibration.weight_read_seconds`); 0: unknown.
+        cache_bytes: the processor's last-level cache; weights of a model beyond it are
+            read from memory by every chunk (0: unknown, every model's are).
     """
 
     name: str
@@ -98,6 +102,8 @@ class DeviceProfile:
     attention_size: tuple = ()
     elementwise_bytes_per_s: float = 0.0
     skeleton_read_seconds: float = 0.0
+    weight_read_seconds: float = 0.0
+    cache_bytes: int = 0
 
     def efficiency(self, tokens_per_chunk: float) -> float:
         """Fraction of `flops_per_s` reached by a chunk of this many tokens.
@@ -189,7 +195,7 @@ class DeviceProfile:
             raise SppoError(f"DeviceProfile disk_cached_write_bytes_per_s={self.disk_cached_write_bytes_per_s!r}: "
                             "give a positive finite rate, or None (unknown)")
         for field in ("op_seconds", "file_seconds", "attention_pair_seconds", "attention_pair_dim_seconds",
-                      "attention_call_seconds", "skeleton_read_seconds"):
+                      "attention_call_seconds", "skeleton_read_seconds", "weight_read_seconds"):
             value = getattr(self, field)
             if not number(value) or value < 0:
                 raise SppoError(f"DeviceProfile {field}={value!r}: give a finite number of seconds >= 0")
@@ -207,7 +213,7 @@ class DeviceProfile:
             raise SppoError(f"DeviceProfile compiled_speedup={self.compiled_speedup!r}: give a positive finite factor")
         if not number(self.n_half) or self.n_half < 0:
             raise SppoError(f"DeviceProfile n_half={self.n_half!r}: give a finite number of tokens >= 0")
-        for field, least in (("memory_bytes", 1), ("disk_cache_bytes", 0)):
+        for field, least in (("memory_bytes", 1), ("disk_cache_bytes", 0), ("cache_bytes", 0)):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise SppoError(f"DeviceProfile {field}={value!r}: give a whole number of bytes >= {least}")
@@ -243,7 +249,9 @@ class DeviceProfile:
                             f"{self.attention_pair_dim_seconds * 1e9:.3f} ns per pair and head, ")
                          + f"{self.attention_call_seconds * 1e6:.0f} us per call"
                          + (f", {self.skeleton_read_seconds * 1e6:.0f} us per streamed block read"
-                            if self.skeleton_read_seconds else ""))]
+                            if self.skeleton_read_seconds else "")
+                         + (f", weights from memory {self.weight_read_seconds * 1e9:.3f} ns a byte beyond a "
+                            f"{self.cache_bytes / MiB:.0f} MiB cache" if self.weight_read_seconds else ""))]
               if self.op_seconds or self.file_seconds or self.attention_pair_seconds or self.attention_call_seconds
               or self.attention_by_dim else []),
             *([("element-wise", f"{self.elementwise_bytes_per_s / 1e9:.2f} GB/s")]

@@ -266,3 +266,37 @@ def test_a_model_is_charged_the_block_read_of_its_own_attention_shape():
     streams = compile_options(budget="1GiB", offload="disk")
     assert device_profile(entry, streams, cpu).skeleton_read_seconds == large
     assert device_profile(entry, compile_options(budget="1GiB", offload="disk", skeleton="keep"), cpu) is cpu
+
+
+def test_weights_beyond_the_cache_are_read_by_every_chunk():
+    """A model whose weights exceed the cache pays their read from memory in each chunk's
+    forward, backward and full recompute; one whose weights fit does not."""
+    heavy = dataclasses.replace(COST, weight_bytes=4e8)
+    clock = Clock(weight_read_seconds=6e-11, cache_bytes=32 << 20)
+
+    def compute(cost, n, clock, fraction=0.0):
+        return step_terms(cost, [T // n] * n, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, fraction, clock=clock).compute
+    for n in (4, 64):
+        assert compute(heavy, n, clock) - compute(heavy, n, Clock()) == pytest.approx(n * 2 * 4e8 * 6e-11)
+        assert compute(heavy, n, clock, 1.0) - compute(heavy, n, Clock(), 1.0) == pytest.approx(n * 3 * 4e8 * 6e-11)
+    light = dataclasses.replace(COST, weight_bytes=16 << 20)
+    assert compute(light, 64, clock) == compute(light, 64, Clock())
+
+
+def test_streaming_weights_flips_many_chunks_to_few():
+    """Many short chunks win while weights cost nothing to read; at 0.1 ns a byte of 400 MB
+    each chunk pays 80 ms, and the solver takes fewer."""
+    heavy = dataclasses.replace(COST, weight_bytes=4e8)
+
+    def chunks(clock):
+        return len(solve(heavy, [NONE, FULL], T, 40 << 20, bandwidth=1e9, clock=clock, **CPU).lengths)
+    free, costly = chunks(Clock()), chunks(Clock(weight_read_seconds=1e-10))
+    assert free >= 16 and costly < free
+
+
+def test_the_weight_read_figure_is_measured():
+    from sppo_fx.solver import clock_calibration as cc
+    assert cc.weight_read_seconds(0.01) >= 0
+    assert cc.last_level_cache_bytes() >= 0
+    assert Clock.of(DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, weight_read_seconds=5e-11,
+                                  cache_bytes=1 << 25)).weight_read_seconds == 5e-11
