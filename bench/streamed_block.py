@@ -11,8 +11,10 @@ Two measurements (docs/solver-clock.md, "One streamed block, measured"):
   runtime's `SkeletonLog` (one file, one in-order read task a pass): (t(64) - t(16)) / 96
   reads, so a stream's fixed cost drops out, and (t(16) - t(0) - 32 reads) / 2 per stream.
 
-The clock charges a read `BLOCK_OPS` x op_seconds + attention_call_seconds / 2 and a stream
-`file_seconds` (`sppo_fx/solver/clock.py`); the profile is this machine's stored one.
+The clock charges a read the profile's `skeleton_read_seconds` (measured on the op at
+16-token blocks, and again at a model's own attention shape), where a profile has none
+`BLOCK_OPS` x op_seconds + attention_call_seconds / 2, and a stream `file_seconds`
+(`sppo_fx/solver/clock.py`); the profile is this machine's stored one.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 taskset -c 1 python bench/streamed_block.py
 """
@@ -29,6 +31,7 @@ from sppo_fx.ops.offload import active_memory
 from sppo_fx.ops.skeleton import streamed_prefix_attention
 from sppo_fx.runtime.skeleton_log import SkeletonLog
 from sppo_fx.solver.clock import BLOCK_OPS
+from sppo_fx.solver.clock_calibration import ProbeBlocks
 from sppo_fx.solver.profile_cache import device_profile
 
 
@@ -53,29 +56,13 @@ def program_per_read(n: int, rounds: int = 10) -> tuple[float, float, float]:
     return best["keep"], best["offload"], (best["offload"] - best["keep"]) / reads
 
 
-class _Blocks:
-    """What the attention op asks the active chunk memory for: the blocks' stream and a
-    place for their gradients."""
-
-    def __init__(self, log, blocks):
-        self.log, self.blocks, self.grads = log, blocks, {}
-
-    def kv_blocks(self, site):
-        return self.log.stream(self.blocks)
-
-    def kv_add_grad(self, site, j, dk, dv):
-        for slot, g in ((2 * j, dk), (2 * j + 1, dv)):
-            acc = self.grads.get(slot)
-            self.grads[slot] = g if acc is None else acc.add_(g)
-
-
 def op_seconds_with(blocks_n: int, rounds: int = 30, heads: int = 4, dim: int = 16) -> float:
     """Best seconds of one forward + backward of the streamed attention op over `blocks_n` blocks."""
     log = SkeletonLog(tempfile.mkdtemp())
     try:
         blocks = [(log.put(torch.randn(1, heads, 1, dim)), log.put(torch.randn(1, heads, 1, dim)))
                   for _ in range(blocks_n)]
-        memory = _Blocks(log, blocks)
+        memory = ProbeBlocks(log, blocks)
         q, k, v = (torch.randn(1, heads, 1, dim, requires_grad=True) for _ in range(3))
         hk, hv = torch.empty(1, heads, blocks_n, dim, 0), torch.empty(1, heads, blocks_n, dim, 0)
         best = float("inf")
@@ -91,9 +78,11 @@ def op_seconds_with(blocks_n: int, rounds: int = 30, heads: int = 4, dim: int = 
 
 def main() -> int:
     prof = device_profile("cpu")
-    charged_read = BLOCK_OPS * prof.op_seconds + prof.attention_call_seconds / 2
-    print(f"clock: {charged_read * 1e6:.0f} us per block read ({BLOCK_OPS} ops x {prof.op_seconds * 1e6:.1f} us "
-          f"+ half a call of {prof.attention_call_seconds * 1e6:.0f} us), {prof.file_seconds * 1e6:.0f} us per stream")
+    composite = BLOCK_OPS * prof.op_seconds + prof.attention_call_seconds / 2
+    print(f"clock: {prof.skeleton_read_seconds * 1e6:.0f} us per block read (skeleton_read_seconds; the composite "
+          f"of {BLOCK_OPS} ops x {prof.op_seconds * 1e6:.1f} us + half a call of "
+          f"{prof.attention_call_seconds * 1e6:.0f} us: {composite * 1e6:.0f} us), "
+          f"{prof.file_seconds * 1e6:.0f} us per stream")
     t0, t16, t64 = (op_seconds_with(b) for b in (0, 16, 64))
     per_read = (t64 - t16) / 96
     per_stream = (t16 - t0 - 32 * per_read) / 2

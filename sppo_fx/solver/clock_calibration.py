@@ -337,7 +337,7 @@ def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6) -> floa
         torch.random.set_rng_state(state)
 
 
-class _ProbeBlocks:
+class ProbeBlocks:
     """The active chunk memory the streamed attention op asks for its blocks' stream and a
     place for their gradients, over a bare `SkeletonLog` (`skeleton_read_seconds`)."""
 
@@ -383,7 +383,7 @@ def skeleton_read_seconds(budget_s: float = 0.1, pair_seconds: float = 0.0, *, h
     def probe(n_blocks: int):
         log = SkeletonLog(directory)
         logs.append(log)
-        memory = _ProbeBlocks(log, [(log.put(torch.randn(1, kv, c, d)), log.put(torch.randn(1, kv, c, d)))
+        memory = ProbeBlocks(log, [(log.put(torch.randn(1, kv, c, d)), log.put(torch.randn(1, kv, c, d)))
                                     for _ in range(n_blocks)])
         q = torch.randn(1, h, c, d, requires_grad=True)
         k, v = (torch.randn(1, kv, c, d, requires_grad=True) for _ in range(2))
