@@ -62,6 +62,20 @@ def _shared_copy_seconds(nbytes: float, bw: float, cache) -> float:
     return cached / cache[0] + (nbytes - cached) / bw
 
 
+def _reread_seconds(nbytes: float, file_bytes: float, written: float, bw: float, cache) -> float:
+    """Seconds of a streamed skeleton's re-reads (`nbytes` over a step) where copies share
+    the compute's cores: every pass reads the same file of `file_bytes`, which stays in the
+    OS page cache when it fits beside the activations written (up to the cache's bytes); its
+    re-reads then go at the cache's rate however many bytes they add up to, else at the
+    disk's. `cache` is (cached bytes/s, cache bytes) or None."""
+    if not nbytes:
+        return 0.0
+    if not cache or not cache[0]:
+        return nbytes / bw
+    room = cache[1] - min(written, cache[1]) if cache[1] else float("inf")
+    return nbytes / (cache[0] if file_bytes <= room else bw)
+
+
 def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, recompute_fraction=0.0,
                skeleton_reads=None, copies_share_compute: bool = False, cache=None, clock=None,
                tensors: int = 0, skeleton_blocks=None, skeleton_passes: int = 2) -> StepTerms:
@@ -98,8 +112,9 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
                                       recompute_fraction)
     if copies_share_compute:  # a CPU: every copy runs on the cores the compute uses
         written = sum(a * x for a, x in zip(ratios, l2))
-        read = written + skeleton_passes * sum(skeleton_reads or ())  # a streamed prefix: read every pass
-        terms.exposed_copy = _shared_copy_seconds(written, bw, cache) + _shared_copy_seconds(read, bw, cache)
+        streamed = skeleton_passes * sum(skeleton_reads or ())  # a streamed prefix: read every pass
+        terms.exposed_copy = (2 * _shared_copy_seconds(written, bw, cache)  # written, then read back
+                              + _reread_seconds(streamed, max(skeleton_reads or (0,)), written, bw, cache))
         return terms
     stall = 0.0
     for i, a in enumerate(ratios):
