@@ -21,7 +21,9 @@
                  (1 + `ELEMENTWISE_BACKWARD` + 1 when a recompute policy replays them)
     exposed copy offload writes and reads, and a streamed skeleton's reads, that do not hide
                  behind compute (on a CPU-only machine nothing hides: the copies run on the
-                 compute's cores, at the page cache's rate up to its size, the disk's beyond)
+                 compute's cores, at the page cache's rate up to its size, the disk's beyond;
+                 a streamed skeleton's re-reads of its one file at the cache's rate while
+                 the file fits it)
     overheads    per chunk: ops x `op_seconds` (Python, dispatch, launch of each op of the
                  chunk's forward and backward); per attention call (each site of each chunk,
                  each streamed block): `attention_call_seconds`, the chunk attention's fixed
