@@ -91,12 +91,13 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
     scale = 1 + cost.backward_factor + recompute_fraction
     terms = StepTerms()
     fwd = []
+    weights, weights_fwd = clock.weight_seconds(cost, recompute_fraction), clock.weight_seconds(cost) / 2
     for c, t in zip(lengths, starts):
         attn = attention_seconds(cost, c, t, clock)
         flops = cost.forward_flops(c, t) if attn is None else cost.per_token * c
         f = flops / (rate * c / (c + c_half)) / max(clock.compiled_speedup, 1e-9)
-        terms.compute += f * scale + clock.weight_seconds(cost, recompute_fraction)
-        f += clock.weight_seconds(cost) / 2  # the forward's read
+        terms.compute += f * scale + weights
+        f += weights_fwd  # the forward's read of the weights
         if attn is not None:
             terms.attention += attn * (1 + recompute_fraction / (1 + cost.backward_factor))
             f += attn / (1 + cost.backward_factor)  # the forward's share (backward: about twice)

@@ -13,6 +13,7 @@ import tempfile
 import time
 
 from sppo_fx.errors import SppoError
+from sppo_fx.solver.clock import Clock
 from sppo_fx.solver.clock_calibration import best_each
 from sppo_fx.solver.profiles import MiB, DeviceProfile
 
@@ -215,7 +216,8 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         op_s = cc.program_op_seconds(attn_call, 0.3 * seconds) or op_s
         # a streamed block's read, its pairs at the probe's head dim taken out (on CUDA: not
         # measured, the clock's composite of ops and half a call)
-        probe_pair = dict(attn_by_dim).get(cc.READ_PROBE["dim"], attn_e + cc.READ_PROBE["dim"] * attn_f)
+        probe_pair = Clock(attention_pair_seconds=attn_e, attention_pair_dim_seconds=attn_f,
+                           attention_by_dim=tuple(attn_by_dim)).pair_seconds(cc.READ_PROBE["dim"])
         read_s = cc.skeleton_read_seconds(0.03 * seconds, probe_pair)
         weight_s = cc.weight_read_seconds(0.03 * seconds, cache)
 

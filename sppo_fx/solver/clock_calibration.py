@@ -377,10 +377,9 @@ def skeleton_read_seconds(budget_s: float = 0.1, pair_seconds: float = 0.0, *, h
     from sppo_fx.ops.skeleton import streamed_prefix_attention
     from sppo_fx.runtime.skeleton_log import SkeletonLog
     c, h, kv, d = tokens, heads, kv_heads, dim
-    directory = tempfile.mkdtemp(prefix="sppo-fx-read-probe-")
     logs = []
 
-    def probe(n_blocks: int):
+    def probe(directory: str, n_blocks: int):
         log = SkeletonLog(directory)
         logs.append(log)
         memory = ProbeBlocks(log, [(log.put(torch.randn(1, kv, c, d)), log.put(torch.randn(1, kv, c, d)))
@@ -394,15 +393,14 @@ def skeleton_read_seconds(budget_s: float = 0.1, pair_seconds: float = 0.0, *, h
                 streamed_prefix_attention(q, hk, k, hv, v, 0, enable_gqa=kv != h).sum().backward()
         return run
 
-    try:
-        # wall time: a read's pread and checksum are the program's wait, whatever the CPU time
-        t8, t40 = best_each([probe(8), probe(40)], budget_s, min_rounds=3, max_rounds=60, timer=time.perf_counter)
-    finally:
-        for log in logs:
-            log.close()
-        for name in os.listdir(directory):
-            os.remove(os.path.join(directory, name))
-        os.rmdir(directory)
+    with tempfile.TemporaryDirectory(prefix="sppo-fx-read-probe-") as directory:
+        try:
+            # wall time: a read's pread and checksum are the program's wait, whatever the CPU time
+            t8, t40 = best_each([probe(directory, 8), probe(directory, 40)], budget_s, min_rounds=3, max_rounds=60,
+                                timer=time.perf_counter)
+        finally:
+            for log in logs:
+                log.close()
     per_read = (t40 - t8) / (2 * 32)
     return max(per_read - c * c * h * pair_seconds / 2, 0.0)
 

@@ -294,9 +294,14 @@ def test_streaming_weights_flips_many_chunks_to_few():
     assert free >= 16 and costly < free
 
 
-def test_the_weight_read_figure_is_measured():
+def test_the_weight_read_figure_is_measured(monkeypatch):
     from sppo_fx.solver import clock_calibration as cc
     assert cc.weight_read_seconds(0.01) >= 0
+    # the figure is the streamed rotation's time over the cached one's, per byte of the
+    # rotation, which spans twice the cache (at least 64 MiB of 1 MiB weights)
+    monkeypatch.setattr(cc, "best_each", lambda fns, *a, **k: [1.0, 3.0])
+    assert cc.weight_read_seconds(0.01, cache_bytes=0) == pytest.approx(2.0 / (64 << 20))
+    assert cc.weight_read_seconds(0.01, cache_bytes=48 << 20) == pytest.approx(2.0 / (96 << 20))
     assert cc.last_level_cache_bytes() >= 0
     assert Clock.of(DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, weight_read_seconds=5e-11,
                                   cache_bytes=1 << 25)).weight_read_seconds == 5e-11
