@@ -110,10 +110,15 @@ def memory_models(entry: Entry, policies) -> list:
 def device_profile(entry: Entry, options: CompileOptions, profile=None):
     """The DeviceProfile of the entry's device (`profile` when known already); where the
     plan may stream the K/V skeleton, its block read measured at the model's attention shape
-    (`clock_calibration.with_model_reads`: a read's cost grows with heads and head dim)."""
+    (`clock_calibration.with_model_reads`: a read's cost grows with heads and head dim); op by
+    op with a tier, the machine's op cost through the memory passes
+    (`profile_cache.with_pass_ops`; a profile handed in is used as it is)."""
     from sppo_fx.solver.clock_calibration import with_model_reads
-    from sppo_fx.solver.profile_cache import device_profile as stored_or_calibrated
-    profile = profile or stored_or_calibrated(entry.device(), dir=options.offload_dir)
+    from sppo_fx.solver.profile_cache import device_profile as stored_or_calibrated, with_pass_ops
+    if profile is None:
+        profile = stored_or_calibrated(entry.device(), dir=options.offload_dir)
+        if options.offload and not options.compile:
+            profile = with_pass_ops(profile, entry.device(), options.offload_dir)
     if options.offload and options.skeleton in ("auto", "offload") and entry.cost is not None:
         profile = with_model_reads(profile, entry.cost)
     return profile

@@ -25,7 +25,8 @@
                  a streamed skeleton's re-reads of its one file at the cache's rate while
                  the file fits it)
     overheads    per chunk: ops x `op_seconds` (Python, dispatch, launch of each op of the
-                 chunk's forward and backward); per attention call (each site of each chunk,
+                 chunk's forward and backward; measured on real programs, the memory
+                 passes' for a plan with a tier, `DeviceProfile.pass_op_seconds`); per attention call (each site of each chunk,
                  each streamed block): `attention_call_seconds`, the chunk attention's fixed
                  cost forward + backward, which makes short chunks dearer than their pairs
                  say; per file the disk tier writes or reads:
@@ -102,9 +103,13 @@ class Clock:
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
         """The clock of a `DeviceProfile` (fields it lacks count zero) for chunk programs
-        run `compiled` or op by op, offloading to `tier` (files only on "disk")."""
+        run `compiled` or op by op, offloading to `tier` (files only on "disk"). Op by op
+        with a tier, the programs are the memory passes' graphs: an op costs the profile's
+        `pass_op_seconds` where it has one (a recompute policy without a tier runs them too,
+        and is charged the plain programs' figure)."""
         get = lambda name, default=0.0: float(getattr(profile, name, default) or default)  # noqa: E731
-        return cls(get("op_seconds"), get("file_seconds") if tier == "disk" else 0.0, get("attention_pair_seconds"),
+        op = get("pass_op_seconds") if not compiled and tier is not None else 0.0
+        return cls(op or get("op_seconds"), get("file_seconds") if tier == "disk" else 0.0, get("attention_pair_seconds"),
                    get("attention_pair_dim_seconds"), get("compiled_speedup", 1.0) if compiled else 1.0,
                    get("attention_call_seconds"),
                    _table(profile, "attention_by_dim"), _table(profile, "attention_square"),

@@ -295,14 +295,18 @@ def attention_pair_seconds(device, budget_s: float = 0.3) -> tuple[float, float]
     return attention_figures(device, budget_s)[:2]
 
 
-def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6) -> float | None:
+def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6, offload: str | None = None) -> float | None:
     """Fixed cost per op the clock counts, measured on real op-by-op chunk programs: a
     1-layer tiny Llama at 64 tokens in 1 and in 4 chunks (its work is nil), each chunk
     more costing (its forward and backward programs' Python, dispatch, the runtime's
     hooks and the custom ops' dispatch) what the clock charges as 3 x `ops` x op_seconds
     plus its attention calls (`call_seconds` each). A plain-op chain (`op_seconds`) sees
-    a tenth of that on this CPU. None where the library cannot run the probe (the caller
-    keeps `op_seconds` then)."""
+    a tenth of that on this CPU. `offload`: a tier, to measure the programs the memory
+    passes build (AOTAutograd's forward and backward graphs with offload nodes, the path
+    of every plan with a tier, `orchestrate.stage.needs_chunk_program`): "device" moves
+    no bytes, so the figure holds no copy or file cost, which the clock charges apart;
+    about 2.3x the plain programs' per chunk on this CPU (docs/solver-clock.md). None
+    where the library cannot run the probe (the caller keeps `op_seconds` then)."""
     import torch
     import sppo_fx
     from sppo_fx.models import build
@@ -311,7 +315,7 @@ def program_op_seconds(call_seconds: float = 0.0, budget_s: float = 0.6) -> floa
         torch.manual_seed(0)
         model = build("llama", "tiny", n_layers=1)
         x, y = (torch.randint(0, model.config.vocab_size, (1, 64)) for _ in range(2))
-        runs = {n: sppo_fx.compile(model, chunks=n, compile=False) for n in (1, 4)}
+        runs = {n: sppo_fx.compile(model, chunks=n, compile=False, offload=offload) for n in (1, 4)}
         for run in runs.values():
             run.step(x, y)  # capture and build the programs (not timed)
         # wall time: a program's step hands work to the runtime's threads and waits, which a

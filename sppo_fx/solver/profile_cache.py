@@ -27,6 +27,7 @@ a negative size) is ignored with a warning naming the file, and measured again.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -78,12 +79,12 @@ def profile_key(device: str, dir: str | None = None) -> dict:
         disk = f"filesystem {os.stat(target).st_dev}"
     except OSError:
         disk = target
-    # the version only goes up (10: weights read from memory; 9: a streamed block read
+    # the version only goes up (11: an op of the memory passes' programs; 10: weights read from memory; 9: a streamed block read
     # measured on the op; 8: CPU attention timed on as many heads as threads; 7: the
     # element-wise bandwidth from two windows; 6, whose block_call_seconds was taken back,
     # must not be read as current either)
     return {"device": dev.type, "hardware": hardware, "threads": torch.get_num_threads(),
-            "disk": disk, "host": platform.node(), "version": 10}
+            "disk": disk, "host": platform.node(), "version": 11}
 
 
 def _path(key: dict) -> str | None:
@@ -197,3 +198,30 @@ def _write(path: str, key: dict, profile: DeviceProfile, provisional: bool = Fal
         log.info("device profile stored in %s", path)
     except OSError as e:
         log.warning("could not store the device profile in %s: %s", path, e)
+
+
+def with_pass_ops(profile: DeviceProfile, device: str = "cpu", dir: str | None = None) -> DeviceProfile:
+    """`profile` with its `pass_op_seconds`: the fixed cost per op of the programs the
+    memory passes build (a plan with a tier runs them op by op where chunk programs are not
+    compiled), measured on first need and stored beside the profile's other figures, so
+    that a machine pays the probe (two tiny programs through AOTAutograd, about 8 s) once
+    and a compiled run never does. A CPU's only (a GPU's op cost is the plain figure's);
+    unchanged where the probe cannot run."""
+    if profile.pass_op_seconds or not str(device).startswith("cpu"):
+        return profile
+    from sppo_fx.solver.clock_calibration import program_op_seconds
+    with phase("measuring an op of the memory passes' programs (op by op, with a tier)", log):
+        op = program_op_seconds(profile.attention_call_seconds, 0.3, offload="device")
+    if not op:
+        return profile
+    key = profile_key(device, dir) if enabled("SPPO_FX_PROFILE_CACHE") else None
+    path = _path(key) if key else None
+    if path is not None:
+        try:
+            data = json.loads(read_private(path))
+            if data.get("key") == key and isinstance(data.get("profile"), dict):
+                data["profile"]["pass_op_seconds"] = float(op)
+                write_atomically(path, json.dumps(data, indent=2).encode())
+        except (OSError, ValueError) as e:
+            log.warning("could not store the memory passes' op cost in %s: %s", path, e)
+    return dataclasses.replace(profile, pass_op_seconds=float(op))

@@ -61,6 +61,9 @@ class DeviceProfile:
             of one disk-tier file written and read, attention seconds per pair and head
             (e + d·f), compiled programs' speed over op-by-op ones; 0 (1 for the speedup):
             unknown, the term is left out.
+        pass_op_seconds: `op_seconds` of the programs the memory passes build (offload
+            nodes, AOTAutograd's graphs; every plan with a tier runs them), op by op; 0:
+            unknown, `op_seconds` stands in.
         attention_call_seconds: fixed cost of one chunk attention call, forward + backward
             (`solver.clock`); 0: unknown, not charged.
         attention_by_dim: ((head dim, seconds per pair and head), ...) measured at those
@@ -104,6 +107,7 @@ class DeviceProfile:
     skeleton_read_seconds: float = 0.0
     weight_read_seconds: float = 0.0
     cache_bytes: int = 0
+    pass_op_seconds: float = 0.0
 
     def efficiency(self, tokens_per_chunk: float) -> float:
         """Fraction of `flops_per_s` reached by a chunk of this many tokens.
@@ -194,7 +198,8 @@ class DeviceProfile:
                 not number(self.disk_cached_write_bytes_per_s) or self.disk_cached_write_bytes_per_s <= 0):
             raise SppoError(f"DeviceProfile disk_cached_write_bytes_per_s={self.disk_cached_write_bytes_per_s!r}: "
                             "give a positive finite rate, or None (unknown)")
-        for field in ("op_seconds", "file_seconds", "attention_pair_seconds", "attention_pair_dim_seconds",
+        for field in ("op_seconds", "pass_op_seconds", "file_seconds", "attention_pair_seconds",
+                      "attention_pair_dim_seconds",
                       "attention_call_seconds", "skeleton_read_seconds", "weight_read_seconds"):
             value = getattr(self, field)
             if not number(value) or value < 0:
@@ -237,7 +242,9 @@ class DeviceProfile:
             *([("disk write, cached", f"{self.disk_cached_write_bytes_per_s / 1e9:.2f} GB/s up to "
                                       f"{self.disk_cache_bytes / GiB:.1f} GiB")]
               if self.disk_cached_write_bytes_per_s else []),
-            *([("clock", f"op {self.op_seconds * 1e6:.1f} us, disk file {self.file_seconds * 1e6:.0f} us, "
+            *([("clock", f"op {self.op_seconds * 1e6:.1f} us"
+                         + (f" ({self.pass_op_seconds * 1e6:.1f} us through the memory passes)"
+                            if self.pass_op_seconds else "") + f", disk file {self.file_seconds * 1e6:.0f} us, "
                          + (("attention " + ", ".join(f"{t * 1e9:.1f}" for _, t in self.attention_by_dim)
                              + " ns per pair and head at d = " + "/".join(f"{d:g}" for d, _ in self.attention_by_dim)
                              + ", square x" + "/".join(f"{x:.2f}" for _, x in self.attention_square)

@@ -204,6 +204,25 @@ def test_clock_of_a_profile_and_its_checks():
         DeviceProfile.from_dict(bad)
 
 
+def test_a_plan_with_a_tier_is_charged_the_memory_passes_op():
+    """Op by op, a plan with a tier runs the memory passes' programs (AOTAutograd's graphs,
+    offload nodes), about 2.3x the plain programs' fixed cost per chunk on a CPU: its ops
+    cost `pass_op_seconds`; a plan without one, and compiled programs, `op_seconds`."""
+    cpu = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, op_seconds=1e-5, pass_op_seconds=3e-5)
+    assert Clock.of(cpu, compiled=False, tier="host").op_seconds == 3e-5
+    assert Clock.of(cpu, compiled=False, tier="disk").op_seconds == 3e-5
+    assert Clock.of(cpu, compiled=False, tier=None).op_seconds == 1e-5
+    assert Clock.of(cpu, compiled=True, tier="disk").op_seconds == 1e-5
+    assert Clock.of(dataclasses.replace(cpu, pass_op_seconds=0.0), compiled=False, tier="host").op_seconds == 1e-5
+    # the solver sees it: at 1 ms an op through the passes, one chunk instead of many
+    plain, passes = (_solve(40 << 20, 1e9, Clock.of(p, compiled=False, tier="host"))
+                     for p in (dataclasses.replace(cpu, op_seconds=0.0, pass_op_seconds=0.0),
+                               dataclasses.replace(cpu, op_seconds=0.0, pass_op_seconds=1e-3)))
+    assert len(plain.lengths) >= 16 and len(passes.lengths) == 1
+    with pytest.raises(SppoError, match="pass_op_seconds"):
+        DeviceProfile.from_dict(dict(cpu.to_dict(), pass_op_seconds=-1.0))
+
+
 def test_the_clock_figures_are_measured():
     from sppo_fx.solver import clock_calibration as cc
     assert 0 < cc.op_seconds(0.01) < 1e-2

@@ -140,6 +140,22 @@ def test_the_program_op_cost_is_measured():
     assert 0 < cc.program_op_seconds(0.0, 0.05) < 1e-2
 
 
+@pytest.mark.slow  # captures and runs two tiny programs through the memory passes: ~8 s
+def test_the_memory_passes_op_cost_is_measured_on_their_programs(monkeypatch):
+    """The probe with a tier times the programs the memory passes build: the compile it
+    asks for carries the tier, and the figure is a real per-op cost."""
+    import sppo_fx
+    from sppo_fx.solver import clock_calibration as cc
+    tiers, compile_ = [], sppo_fx.compile
+
+    def spy(model, **kw):
+        tiers.append(kw.get("offload"))
+        return compile_(model, **kw)
+    monkeypatch.setattr(sppo_fx, "compile", spy)
+    assert 0 < cc.program_op_seconds(0.0, 0.05, offload="device") < 1e-2
+    assert tiers == ["device", "device"]
+
+
 # -- attention by head dim, the causal square, and load-proof timing ------------------------
 
 def _attention(cost, lengths, clock):

@@ -143,3 +143,32 @@ def test_offload_directories_on_one_filesystem_share_a_stored_profile(tmp_path, 
         return os.stat_result(fields)
     monkeypatch.setattr(os, "stat", stat)
     assert profile_cache.profile_key("cpu", str(other)) != profile_cache.profile_key("cpu", str(second))
+
+
+def test_the_memory_passes_op_cost_is_measured_once_per_machine_and_only_op_by_op(tmp_path, monkeypatch):
+    """`with_pass_ops` measures the op cost of the memory passes' programs where an
+    op-by-op plan with a tier needs it, stores it beside the profile (a later process reads
+    it back), and a compiled run or a GPU never pays the probe."""
+    import types
+
+    from sppo_fx.options import compile_options
+    from sppo_fx.orchestrate.stage import device_profile as stage_profile
+    from sppo_fx.solver import clock_calibration, profile_cache
+    monkeypatch.setenv("SPPO_FX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPPO_FX_PROFILE_CACHE", raising=False)
+    monkeypatch.delenv("SPPO_FX_RECALIBRATE", raising=False)
+    measured = DeviceProfile("measured", 1e9, 1e9, 1e9, 1e9, 1e9, 1 << 30, op_seconds=1e-5)
+    monkeypatch.setattr(profile_cache, "calibrate", lambda *a, **k: measured)
+    monkeypatch.setattr(profile_cache, "others_runnable", lambda: 0.0)
+    probes = []
+    monkeypatch.setattr(clock_calibration, "program_op_seconds",
+                        lambda call, budget_s, offload=None: probes.append(offload) or 3e-5)
+    entry = types.SimpleNamespace(cost=None, device=lambda: "cpu")
+    compiled = stage_profile(entry, compile_options(budget="1GiB", offload="disk"))
+    assert compiled.pass_op_seconds == 0 and probes == []  # compiled programs: not needed
+    op_by_op = compile_options(budget="1GiB", offload="disk", compile=False)
+    assert stage_profile(entry, op_by_op).pass_op_seconds == 3e-5 and probes == ["device"]
+    assert profile_cache.device_profile("cpu").pass_op_seconds == 3e-5  # stored with the profile
+    assert stage_profile(entry, op_by_op).pass_op_seconds == 3e-5 and probes == ["device"]  # not again
+    assert profile_cache.with_pass_ops(measured, "cuda") is measured and probes == ["device"]
+    assert stage_profile(entry, op_by_op, measured) is measured  # a profile handed in is used as it is
