@@ -200,6 +200,9 @@ def _write(path: str, key: dict, profile: DeviceProfile, provisional: bool = Fal
         log.warning("could not store the device profile in %s: %s", path, e)
 
 
+_pass_ops_measured: dict = {}
+
+
 def with_pass_ops(profile: DeviceProfile, device: str = "cpu", dir: str | None = None) -> DeviceProfile:
     """`profile` with its `pass_op_seconds`: the fixed cost per op of the programs the
     memory passes build (a plan with a tier runs them op by op where chunk programs are not
@@ -209,9 +212,12 @@ def with_pass_ops(profile: DeviceProfile, device: str = "cpu", dir: str | None =
     unchanged where the probe cannot run."""
     if profile.pass_op_seconds or not str(device).startswith("cpu"):
         return profile
-    from sppo_fx.solver.clock_calibration import program_op_seconds
-    with phase("measuring an op of the memory passes' programs (op by op, with a tier)", log):
-        op = program_op_seconds(profile.attention_call_seconds, 0.3, offload="device")
+    op = _pass_ops_measured.get(str(device))  # once per process where no cache stores it
+    if op is None:
+        from sppo_fx.solver.clock_calibration import program_op_seconds
+        with phase("measuring an op of the memory passes' programs (op by op, with a tier)", log):
+            op = _pass_ops_measured[str(device)] = program_op_seconds(profile.attention_call_seconds, 0.3,
+                                                                        offload="device") or 0.0
     if not op:
         return profile
     key = profile_key(device, dir) if enabled("SPPO_FX_PROFILE_CACHE") else None

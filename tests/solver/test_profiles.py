@@ -163,6 +163,7 @@ def test_the_memory_passes_op_cost_is_measured_once_per_machine_and_only_op_by_o
     probes = []
     monkeypatch.setattr(clock_calibration, "program_op_seconds",
                         lambda call, budget_s, offload=None: probes.append(offload) or 3e-5)
+    monkeypatch.setattr(profile_cache, "_pass_ops_measured", {})
     entry = types.SimpleNamespace(cost=None, device=lambda: "cpu")
     compiled = stage_profile(entry, compile_options(budget="1GiB", offload="disk"))
     assert compiled.pass_op_seconds == 0 and probes == []  # compiled programs: not needed
@@ -171,4 +172,6 @@ def test_the_memory_passes_op_cost_is_measured_once_per_machine_and_only_op_by_o
     assert profile_cache.device_profile("cpu").pass_op_seconds == 3e-5  # stored with the profile
     assert stage_profile(entry, op_by_op).pass_op_seconds == 3e-5 and probes == ["device"]  # not again
     assert profile_cache.with_pass_ops(measured, "cuda") is measured and probes == ["device"]
+    monkeypatch.setenv("SPPO_FX_PROFILE_CACHE", "0")  # no cache: measured once per process all the same
+    assert profile_cache.with_pass_ops(measured).pass_op_seconds == 3e-5 and probes == ["device"]
     assert stage_profile(entry, op_by_op, measured) is measured  # a profile handed in is used as it is
