@@ -26,11 +26,11 @@
                  the file fits it)
     overheads    per chunk: ops x `op_seconds` (Python, dispatch, launch of each op of the
                  chunk's forward and backward; measured on real programs, the memory
-                 passes' for a plan with a tier, `DeviceProfile.pass_op_seconds`); per attention call (each site of each chunk,
-                 each streamed block): `attention_call_seconds`, the chunk attention's fixed
-                 cost forward + backward, which makes short chunks dearer than their pairs
-                 say; per file the disk tier writes or reads:
-                 `file_seconds`; per streamed skeleton block read: `read_seconds` (measured
+                 passes' for a plan with a tier, `DeviceProfile.pass_op_seconds`); per
+                 attention call (each site of each chunk, each streamed block):
+                 `attention_call_seconds`, the chunk attention's fixed cost forward +
+                 backward, which makes short chunks dearer than their pairs say; per file
+                 the disk tier writes or reads: `file_seconds`; per streamed skeleton block read: `read_seconds` (measured
                  on the streamed op, `clock_calibration.skeleton_read_seconds`; where the
                  profile has none, its attention call's ops and half a call); per stream of
                  a streamed skeleton (chunk, pass): one read task at `file_seconds`

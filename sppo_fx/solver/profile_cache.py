@@ -79,10 +79,10 @@ def profile_key(device: str, dir: str | None = None) -> dict:
         disk = f"filesystem {os.stat(target).st_dev}"
     except OSError:
         disk = target
-    # the version only goes up (11: an op of the memory passes' programs; 10: weights read from memory; 9: a streamed block read
-    # measured on the op; 8: CPU attention timed on as many heads as threads; 7: the
-    # element-wise bandwidth from two windows; 6, whose block_call_seconds was taken back,
-    # must not be read as current either)
+    # the version only goes up (11: an op of the memory passes' programs; 10: weights read
+    # from memory; 9: a streamed block read measured on the op; 8: CPU attention timed on as
+    # many heads as threads; 7: the element-wise bandwidth from two windows; 6, whose
+    # block_call_seconds was taken back, must not be read as current either)
     return {"device": dev.type, "hardware": hardware, "threads": torch.get_num_threads(),
             "disk": disk, "host": platform.node(), "version": 11}
 

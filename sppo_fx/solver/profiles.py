@@ -199,8 +199,8 @@ class DeviceProfile:
             raise SppoError(f"DeviceProfile disk_cached_write_bytes_per_s={self.disk_cached_write_bytes_per_s!r}: "
                             "give a positive finite rate, or None (unknown)")
         for field in ("op_seconds", "pass_op_seconds", "file_seconds", "attention_pair_seconds",
-                      "attention_pair_dim_seconds",
-                      "attention_call_seconds", "skeleton_read_seconds", "weight_read_seconds"):
+                      "attention_pair_dim_seconds", "attention_call_seconds", "skeleton_read_seconds",
+                      "weight_read_seconds"):
             value = getattr(self, field)
             if not number(value) or value < 0:
                 raise SppoError(f"DeviceProfile {field}={value!r}: give a finite number of seconds >= 0")
