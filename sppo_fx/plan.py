@@ -16,7 +16,7 @@ from sppo_fx.errors import SppoError
 
 # the predicted step's terms (`solver/clock.py`, `Plan.step_terms`) in the order printed
 _STEP_TERM_LABELS = (("compute", "compute"), ("elementwise", "element-wise"), ("attention", "attention"),
-                     ("exposed_copy", "exposed copy"), ("overhead", "overheads"))
+                     ("allocation", "allocation"), ("exposed_copy", "exposed copy"), ("overhead", "overheads"))
 
 
 @dataclasses.dataclass
@@ -44,7 +44,8 @@ class Plan:
             rank order (multiplexed partitioning gives chunks their own splits); None:
             every chunk splits as evenly as possible (`sp_split`).
         step_terms: the predicted step's terms in seconds (`solver.clock.StepTerms`:
-            compute, elementwise, attention, exposed_copy, overhead); None: not predicted by terms.
+            compute, elementwise, attention, allocation, exposed_copy, overhead); None: not
+            predicted by terms.
         tier_steps: with `offload="auto"`, the predicted step seconds of the best plan on
             each candidate tier (None for a tier whose plan did not fit: the host memory it
             may pin); None: the tier was given, not chosen.

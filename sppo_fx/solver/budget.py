@@ -103,6 +103,8 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
             f += attn / (1 + cost.backward_factor)  # the forward's share (backward: about twice)
         terms.elementwise += clock.elementwise_seconds(cost, c, recompute_fraction)
         f += clock.elementwise_seconds(cost, c) / (1 + ELEMENTWISE_BACKWARD)  # the forward's share
+        terms.allocation += clock.allocation_seconds(cost, c, recompute_fraction)
+        f += clock.allocation_seconds(cost, c, forward_only=True)
         fwd.append(f)
     files = sum(2 * tensors for a in ratios if a > 0)  # written, then read back
     reads_n = skeleton_passes * sum(skeleton_blocks or ())  # forward, backward (and a recompute)

@@ -136,7 +136,10 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         page-cache rate the disk tier's pooled files see) and the OS's dirty-page limit;
       * memory: total device memory (CUDA) or physical RAM capped by the cgroup limit (CPU);
       * the element-wise bandwidth: a mul/add/silu chain on [1024, 512] tensors, forward
-        and backward (`clock_calibration.elementwise_bytes_per_s`).
+        and backward (`clock_calibration.elementwise_bytes_per_s`), its own allocations
+        taken out;
+      * what allocating a fresh tensor costs per byte, by size (`solver.allocation`); the
+        matmuls above write into outputs allocated once, so that no byte is charged twice.
 
     The figures are what the machine does *now*: on a CPU shared with other busy processes,
     OpenMP threads get descheduled and matmuls run 5-100x slower for whole seconds (seen on
@@ -168,14 +171,21 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         dtype, d, token_counts = torch.bfloat16, 4096, [256, 1024, 4096, 8192]
     else:
         dtype, d, token_counts = torch.float32, 512, [32, 128, 512, 1024]
+    # What a fresh tensor costs (the allocator's page faults, `solver.allocation`): first,
+    # so that the probes below can leave their own allocations out.
+    from sppo_fx.solver.allocation import seconds_per_byte_by_size
+    allocation = seconds_per_byte_by_size(dev, 0.05 * seconds)
     w = torch.randn(d, d, dtype=dtype, device=dev)
     xs = [torch.randn(n, d, dtype=dtype, device=dev) for n in token_counts]
-    times = best_each([functools.partial(torch.mm, x, w) for x in xs], 0.45 * seconds, device=dev)
+    # into outputs allocated once: the allocation term charges a program's fresh outputs
+    outs = [torch.empty(n, d, dtype=dtype, device=dev) for n in token_counts]
+    times = best_each([functools.partial(torch.mm, x, w, out=o) for x, o in zip(xs, outs)], 0.45 * seconds,
+                      device=dev)
     rates = [2.0 * n * d * d / dt for n, dt in zip(token_counts, times)]
     # The model is monotone in n; a larger chunk can always run as the smaller one did, so
     # noise (a busy machine) is smoothed with a running maximum before the fit.
     points = [(n, max(rates[:i + 1])) for i, n in enumerate(token_counts)]
-    del xs, w
+    del xs, w, outs
     flops, n_half = _fit_saturating(points)
 
     # Copy bandwidth.
@@ -198,7 +208,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     # one 75 ms window once read 2.3 GB/s against a usual 5-7.5 (the demo's allocator
     # settings), which changed the plan; a stall that passes cannot take both windows.
     from sppo_fx.solver import clock_calibration as cc
-    elementwise_early = cc.elementwise_bytes_per_s(dev, 0.04 * seconds)
+    elementwise_early = cc.elementwise_bytes_per_s(dev, 0.04 * seconds, allocation=allocation)
 
     # Disk.
     disk_bytes = 64 * MiB if seconds >= 1.0 else 16 * MiB
@@ -209,7 +219,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
     file_s = cc.file_seconds(dir, 0.075 * seconds)
     attn_e, attn_f, attn_by_dim, attn_square, attn_size = cc.attention_figures(dev, 0.25 * seconds)
     attn_call = cc.attention_call_seconds(dev, 0.05 * seconds)
-    elementwise_bw = max(elementwise_early, cc.elementwise_bytes_per_s(dev, 0.04 * seconds))
+    elementwise_bw = max(elementwise_early, cc.elementwise_bytes_per_s(dev, 0.04 * seconds, allocation=allocation))
     read_s = weight_s = 0.0
     cache = cc.last_level_cache_bytes() if dev.type == "cpu" else 0
     if dev.type == "cpu":  # a real chunk program's per-op cost (on CUDA: the plain-op figure)
@@ -233,7 +243,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         attention_square=tuple((int(c), float(x)) for c, x in attn_square),
         attention_size=tuple((int(c), float(x)) for c, x in attn_size),
         elementwise_bytes_per_s=float(elementwise_bw), skeleton_read_seconds=float(read_s),
-        weight_read_seconds=float(weight_s), cache_bytes=int(cache),
+        weight_read_seconds=float(weight_s), cache_bytes=int(cache), allocation_by_size=allocation,
         source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, "
                f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")

@@ -1,6 +1,6 @@
 """The single-stage solver's clock: predicted step time of a chunk plan, split into terms.
 
-    step = compute + attention + element-wise + exposed copy + overheads
+    step = compute + attention + element-wise + allocation + exposed copy + overheads
 
     compute      matmul FLOPs outside attention at the profile's rate and chunk efficiency
                  (`DeviceProfile.compute_seconds`), forward x (1 + backward factor + recompute);
@@ -19,6 +19,12 @@
                  read and write per token (`ChunkCostModel.elementwise_bytes`, forward) at the
                  calibrated element-wise bandwidth (`elementwise_bytes_per_s`), forward x
                  (1 + `ELEMENTWISE_BACKWARD` + 1 when a recompute policy replays them)
+    allocation   every tensor a chunk's forward and backward allocate (`ChunkCostModel.allocations`:
+                 outputs, gradients, a weight's gradient per chunk; a recompute's forward
+                 again), bytes x the calibrated price of a fresh block of that size
+                 (`allocation_by_size`, `solver.allocation`: the allocator's page faults,
+                 nothing where it reuses what it holds); compiled, the matmuls' only (Inductor
+                 fuses the rest into fewer buffers)
     exposed copy offload writes and reads, and a streamed skeleton's reads, that do not hide
                  behind compute (on a CPU-only machine nothing hides: the copies run on the
                  compute's cores, at the page cache's rate up to its size, the disk's beyond;
@@ -84,6 +90,10 @@ class Clock:
             `BLOCK_OPS` ops and half an attention call stand in).
         weight_read_seconds: seconds per weight byte read from memory rather than the
             cache (0: not charged); cache_bytes: the cache weights must exceed for it.
+        allocation_by_size: ((bytes, seconds per byte), ...): the price of allocating a
+            fresh tensor of that size (() : the allocation term left out).
+        op_by_op: the chunk programs run op by op (every op allocates its output), else
+            compiled (only the matmuls' outputs and gradients are charged).
     """
 
     op_seconds: float = 0.0
@@ -99,6 +109,8 @@ class Clock:
     read_seconds: float = 0.0
     weight_read_seconds: float = 0.0
     cache_bytes: int = 0
+    allocation_by_size: tuple = ()
+    op_by_op: bool = False
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -115,7 +127,7 @@ class Clock:
                    _table(profile, "attention_by_dim"), _table(profile, "attention_square"),
                    _table(profile, "attention_size"),
                    get("elementwise_bytes_per_s"), get("skeleton_read_seconds"), get("weight_read_seconds"),
-                   int(get("cache_bytes")))
+                   int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled)
 
     def weight_seconds(self, cost, recompute_fraction: float = 0.0) -> float:
         """Seconds one chunk spends reading the model's weights from memory: its forward,
@@ -136,6 +148,24 @@ class Clock:
             return 0.0
         passes = 1 + ELEMENTWISE_BACKWARD + (1 if recompute_fraction > 0 else 0)
         return per_token * tokens * passes / bw / max(self.compiled_speedup, 1e-9)
+
+    def allocation_seconds(self, cost, tokens: float, recompute_fraction: float = 0.0,
+                           forward_only: bool = False) -> float:
+        """Seconds a chunk of `tokens` tokens spends allocating its tensors, forward and
+        backward (`forward_only`: the forward's), each at the price of its size; a
+        recompute's forward allocates `recompute_fraction` of the forward's again. 0
+        without a price table."""
+        from sppo_fx.solver.allocation import price
+        if not self.allocation_by_size:
+            return 0.0
+        total = 0.0
+        for a in getattr(cost, "allocations", ()):
+            if (forward_only and a.backward) or not (self.op_by_op or a.matmul):
+                continue
+            nbytes = a.nbytes(tokens)
+            again = 1.0 if a.backward or forward_only else 1.0 + recompute_fraction
+            total += a.count * again * nbytes * price(self.allocation_by_size, nbytes)
+        return total
 
     def pair_seconds(self, d: float) -> float:
         """Forward + backward seconds of one (query, key) pair of one head at head dim d:
@@ -189,14 +219,15 @@ class StepTerms:
     exposed_copy: float = 0.0
     overhead: float = 0.0
     elementwise: float = 0.0
+    allocation: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.attention + self.elementwise + self.exposed_copy + self.overhead
+        return self.compute + self.attention + self.elementwise + self.allocation + self.exposed_copy + self.overhead
 
     def describe(self) -> str:
         return (f"compute {self.compute:.3g} s + attention {self.attention:.3g} s + element-wise "
-                f"{self.elementwise:.3g} s + exposed copy {self.exposed_copy:.3g} s + overheads "
+                f"{self.elementwise:.3g} s + allocation {self.allocation:.3g} s + exposed copy {self.exposed_copy:.3g} s + overheads "
                 f"{self.overhead:.3g} s")
 
 

@@ -100,13 +100,16 @@ def op_seconds(budget_s: float = 0.1) -> float:
     return _best(run, 3, budget_s, compute_timer()) / (3 * ops)
 
 
-def elementwise_bytes_per_s(device, budget_s: float = 0.15, tokens: int = 1024, width: int = 512) -> float:
+def elementwise_bytes_per_s(device, budget_s: float = 0.15, tokens: int = 1024, width: int = 512,
+                            allocation: tuple = ()) -> float:
     """Bandwidth of the element-wise term (`Clock.elementwise_bytes_per_s`): the pointwise
     ops of an RMSNorm (pow, mean, rsqrt, two broadcast muls) and of an MLP gate (mul by a
     broadcast weight, add, silu) on [tokens, width] tensors of chunk size, forward and
     backward through autograd,
-    each op allocating its output as a program's do (so the process's allocator settings,
-    e.g. `MALLOC_MMAP_THRESHOLD_`, count as they will in the steps). Returned per byte of
+    each op allocating its output as a program's do; what those allocations cost at the
+    `allocation` prices (`solver.allocation`) is taken out, the clock's allocation term
+    charges it (the process's allocator settings, e.g. `MALLOC_MMAP_THRESHOLD_`, decide
+    it). Returned per byte of
     the forward's reads and writes, times the clock's 1 + `ELEMENTWISE_BACKWARD` passes:
     seconds = forward bytes x 3 / this rate is what the chain's forward + backward took."""
     import torch
@@ -126,6 +129,10 @@ def elementwise_bytes_per_s(device, budget_s: float = 0.15, tokens: int = 1024, 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     seconds = _best(run, 3, budget_s, compute_timer(device))
+    if allocation:
+        from sppo_fx.solver.allocation import allocated_seconds
+        # at most half: a probe is never all allocation (a stall mid-probe could say so)
+        seconds -= min(allocated_seconds(run, allocation), seconds / 2)
     return (1 + ELEMENTWISE_BACKWARD) * forward_bytes / max(seconds, 1e-12)
 
 

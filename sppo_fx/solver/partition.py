@@ -22,12 +22,33 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import sympy
 import torch
 import torch.fx as fx
 
 from sppo_fx.errors import SppoError
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """Tensors of one size that a chunk's programs allocate, `count` of them per chunk:
+    `per_token` bytes per token of the chunk (activations and their gradients) plus `fixed`
+    bytes (a weight's gradient, one per use per chunk). `backward`: made by the backward
+    (an input's or a weight's gradient), else a forward output (again in a recompute).
+    `matmul`: a matmul's output or gradient, which a compiled program allocates too (it
+    fuses the other ops' outputs into fewer buffers)."""
+
+    per_token: float
+    fixed: float = 0.0
+    count: float = 1.0
+    backward: bool = False
+    matmul: bool = False
+
+    def nbytes(self, tokens: float) -> float:
+        """Bytes of one such tensor in a chunk of `tokens` tokens."""
+        return self.per_token * tokens + self.fixed
 
 
 @dataclasses.dataclass
@@ -46,6 +67,8 @@ class ChunkCostModel:
         weight_bytes: bytes of the matmuls' operands that do not grow with the sequence
             (weights), read once by a chunk's forward: the clock's weight streaming
             (`solver.clock`), where they do not stay in the processor's cache.
+        allocations: the tensors a chunk's forward and backward allocate (`Allocation`):
+            the clock's allocation term (`solver.clock`, `solver.allocation`).
     """
 
     per_token: float
@@ -55,6 +78,7 @@ class ChunkCostModel:
     attention: tuple = ()
     elementwise_bytes: float = 0.0
     weight_bytes: float = 0.0
+    allocations: tuple = ()
 
     def forward_flops(self, length: int, start: int) -> float:
         return self.per_token * length + self.per_pair * length * (start + (length + 1) / 2)
@@ -66,7 +90,8 @@ class ChunkCostModel:
     def scaled(self, factor: float) -> "ChunkCostModel":
         return ChunkCostModel(self.per_token * factor, self.per_pair * factor, self.backward_factor, self.ops,
                               tuple((bh * factor, d) for bh, d in self.attention), self.elementwise_bytes * factor,
-                              self.weight_bytes * factor)
+                              self.weight_bytes * factor,
+                              tuple(dataclasses.replace(a, count=a.count * factor) for a in self.allocations))
 
 
 def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostModel:
@@ -81,10 +106,14 @@ def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostMod
     from sppo_fx.passes.cost import elementwise_bytes
     from sppo_fx.passes.stage_split import node_flops
     per_token, per_pair, ops, sites, moved, weights = 0.0, 0.0, 0, [], 0.0, 0.0
+    allocated: dict = {}
+    with_grad = _carries_grad(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         ops += 1
+        for a in _node_allocations(node, seq, with_grad):
+            allocated[a] = allocated.get(a, 0) + 1
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
             q = node.args[0].meta["val"]
             b, h, d = int(q.shape[0]), int(q.shape[1]), int(q.shape[-1])
@@ -99,8 +128,64 @@ def cost_model_from_graph(gm: fx.GraphModule, seq: sympy.Symbol) -> ChunkCostMod
         per_token += max(f2 - f1, 0.0) / 1024
         if node.target in _MATMULS:
             weights += sum(_fixed_bytes(a) for a in node.args if isinstance(a, fx.Node))
+    allocations = tuple(dataclasses.replace(a, count=float(n)) for a, n in sorted(
+        allocated.items(), key=lambda kv: (kv[0].per_token, kv[0].fixed, kv[0].backward, kv[0].matmul)))
     return ChunkCostModel(per_token, per_pair, ops=ops, attention=tuple(sites), elementwise_bytes=moved,
-                          weight_bytes=weights)
+                          weight_bytes=weights, allocations=allocations)
+
+
+def _carries_grad(gm: fx.GraphModule) -> set:
+    """Nodes whose value needs a gradient: the floating-point parameters (placeholders of a
+    fixed shape) and everything computed from them."""
+    out = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if (isinstance(val, torch.Tensor) and val.is_floating_point()
+                    and not any(isinstance(s, torch.SymInt) for s in val.shape)):
+                out.add(node)
+        elif any(n in out for n in node.all_input_nodes):
+            if any(t.is_floating_point() for t in _value_tensors(val)):
+                out.add(node)
+    return out
+
+
+def _value_tensors(val) -> list:
+    from sppo_fx.passes.cost.flops import _tensors
+    return _tensors(val)
+
+
+def _node_allocations(node: fx.Node, seq: sympy.Symbol, with_grad: set) -> list[Allocation]:
+    """The tensors one node's forward and backward allocate: each fresh output (not a view
+    of an input), and in the backward a gradient of each input that needs one, shaped as
+    that input (a weight's: its whole size, per chunk). Sizes linear in the sequence count
+    per token; other sizes that grow with it (an explicit T x T mask) are attention's,
+    which the chunk program replaces, and are left out."""
+    from sppo_fx.passes.aliasing import is_view_op, storage_key
+    from sppo_fx.passes.cost.flops import _MATMUL, _nbytes, _op_name
+    outs = _value_tensors(node.meta.get("val"))
+    if not outs or node.target is operator.getitem:
+        return []
+    matmul = _op_name(node.target) in _MATMUL
+    ins = [(n, t) for n in node.all_input_nodes for t in _value_tensors(n.meta.get("val"))]
+    in_storages = {storage_key(t) for _, t in ins}
+    found = []
+    view = is_view_op(node.target)
+    for t in outs:
+        if view or (storage_key(t) is not None and storage_key(t) in in_storages):
+            continue
+        found.append((_nbytes(t), False))
+    if node in with_grad and not view:
+        found += [(_nbytes(t), True) for n, t in ins if n in with_grad and t.is_floating_point()]
+    allocs = []
+    for nbytes, backward in found:
+        expr = sympy.expand(sympy.sympify(nbytes))
+        if not expr.free_symbols:
+            allocs.append(Allocation(0.0, float(expr), backward=backward, matmul=matmul))
+        elif _per_token(expr, seq) and not (expr - _per_token(expr, seq) * seq).free_symbols:
+            allocs.append(Allocation(_per_token(expr, seq), float(expr - _per_token(expr, seq) * seq),
+                                     backward=backward, matmul=matmul))
+    return allocs
 
 
 _MATMULS = (torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,

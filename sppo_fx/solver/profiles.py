@@ -64,6 +64,9 @@ class DeviceProfile:
         pass_op_seconds: `op_seconds` of the programs the memory passes build (offload
             nodes, AOTAutograd's graphs; every plan with a tier runs them), op by op; 0:
             unknown, `op_seconds` stands in.
+        allocation_by_size: ((bytes, seconds per byte), ...): what allocating a fresh
+            tensor of that size adds to writing it (`solver.allocation`: the allocator's
+            page faults); (): not measured, the clock's allocation term left out.
         attention_call_seconds: fixed cost of one chunk attention call, forward + backward
             (`solver.clock`); 0: unknown, not charged.
         attention_by_dim: ((head dim, seconds per pair and head), ...) measured at those
@@ -108,6 +111,7 @@ class DeviceProfile:
     weight_read_seconds: float = 0.0
     cache_bytes: int = 0
     pass_op_seconds: float = 0.0
+    allocation_by_size: tuple = ()
 
     def efficiency(self, tokens_per_chunk: float) -> float:
         """Fraction of `flops_per_s` reached by a chunk of this many tokens.
@@ -173,7 +177,7 @@ class DeviceProfile:
                          if f.default is dataclasses.MISSING and f.name not in data)
         if missing:
             raise SppoError(f"DeviceProfile is missing field(s) {missing}")
-        for table in ("attention_by_dim", "attention_square", "attention_size"):  # JSON gives lists
+        for table in ("attention_by_dim", "attention_square", "attention_size", "allocation_by_size"):  # JSON: lists
             if isinstance(data.get(table), (list, tuple)):
                 data = dict(data, **{table: tuple(tuple(x) if isinstance(x, (list, tuple)) else x
                                                   for x in data[table])})
@@ -206,7 +210,8 @@ class DeviceProfile:
                 raise SppoError(f"DeviceProfile {field}={value!r}: give a finite number of seconds >= 0")
         for field, least, what in (("attention_by_dim", 0, "head dim > 0, seconds >= 0"),
                                    ("attention_square", 1, "chunk length > 0, factor >= 1"),
-                                   ("attention_size", 1e-3, "chunk length > 0, factor > 0")):
+                                   ("attention_size", 1e-3, "chunk length > 0, factor > 0"),
+                                   ("allocation_by_size", 0, "bytes > 0, seconds per byte >= 0")):
             table = getattr(self, field)
             if not isinstance(table, tuple) or not all(isinstance(x, tuple) and len(x) == 2 and all(map(number, x))
                                                        and x[0] > 0 and x[1] >= least for x in table):
@@ -263,6 +268,9 @@ class DeviceProfile:
               or self.attention_by_dim else []),
             *([("element-wise", f"{self.elementwise_bytes_per_s / 1e9:.2f} GB/s")]
               if self.elementwise_bytes_per_s else []),
+            *([("allocation", ", ".join(f"{s * 1e9:.3f}" for _, s in self.allocation_by_size)
+                + " ns a byte at " + "/".join(_size(n) for n, _ in self.allocation_by_size))]
+              if self.allocation_by_size else []),
             ("memory", f"{self.memory_bytes / GiB:.1f} GiB"),
             ("source", self.source),
         ]
@@ -270,6 +278,10 @@ class DeviceProfile:
 
     def __str__(self):
         return self.table()
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes / 1024:g} KiB"
 
 
 def _spec(name, peak_tflops, mfu, pcie_gbs, nvme_gbs, memory_bytes, n_half):

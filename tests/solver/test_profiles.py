@@ -92,7 +92,7 @@ def test_calibrate_cpu(tmp_path, monkeypatch):
     # the first) does not set it
     from sppo_fx.solver import clock_calibration as cc
     readings = iter([2e9, 6e9])
-    monkeypatch.setattr(cc, "elementwise_bytes_per_s", lambda device, budget_s: next(readings))
+    monkeypatch.setattr(cc, "elementwise_bytes_per_s", lambda device, budget_s, **kw: next(readings))
     pr = calibrate("cpu", seconds=1.0, dir=str(tmp_path))
     assert pr.elementwise_bytes_per_s == 6e9
     assert pr.flops_per_s > 1e8                       # anything that runs a matmul at all
