@@ -8,6 +8,7 @@ import torch
 
 from sppo_fx.errors import SppoError
 from sppo_fx.solver import PROFILES, DeviceProfile, calibrate, get_profile, profiles_table
+from sppo_fx.solver.allocation import PROBE_SIZES
 
 GiB = 1 << 30
 
@@ -95,6 +96,7 @@ def test_calibrate_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(cc, "elementwise_bytes_per_s", lambda device, budget_s, **kw: next(readings))
     pr = calibrate("cpu", seconds=1.0, dir=str(tmp_path))
     assert pr.elementwise_bytes_per_s == 6e9
+    assert [n for n, _ in pr.allocation_by_size] == list(PROBE_SIZES)  # priced on this process
     assert pr.flops_per_s > 1e8                       # anything that runs a matmul at all
     assert pr.d2h_bytes_per_s == pr.h2d_bytes_per_s > 1e7
     assert pr.disk_write_bytes_per_s > 1e6 and pr.disk_read_bytes_per_s > 1e6
