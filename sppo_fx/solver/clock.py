@@ -227,8 +227,8 @@ class StepTerms:
 
     def describe(self) -> str:
         return (f"compute {self.compute:.3g} s + attention {self.attention:.3g} s + element-wise "
-                f"{self.elementwise:.3g} s + allocation {self.allocation:.3g} s + exposed copy {self.exposed_copy:.3g} s + overheads "
-                f"{self.overhead:.3g} s")
+                f"{self.elementwise:.3g} s + allocation {self.allocation:.3g} s + exposed copy "
+                f"{self.exposed_copy:.3g} s + overheads {self.overhead:.3g} s")
 
 
 def pairs(c: int, t: int) -> float:
