@@ -11,12 +11,13 @@ tensors), else a threshold that rises to the largest block freed so far (up to 3
 took 1,169 us under the benchmark's setting against 40 us filled in place, and 27 us
 under glibc's default.
 
-`seconds_per_byte_by_size` measures that price per byte at several sizes in the process
-that will train, so the figure follows its allocator settings by itself; the clock charges
-every allocation of a chunk's programs at its size (`solver.clock.Clock.allocation_seconds`,
-sizes from `solver.partition.cost_model_from_graph`). The probes of the clock's other terms
+`calibration.allocation_prices` measures that price per byte at `PROBE_SIZES` in the
+process that will train, so the figure follows its allocator settings by itself; the clock
+charges every allocation of a chunk's programs at its size
+(`solver.clock.Clock.allocation_seconds`, sizes from `solver.partition.cost_model_from_graph`). The probes of the clock's other terms
 write into buffers allocated once (the matmul), or have their own allocations taken out (the
-element-wise chain, `clock_calibration.elementwise_bytes_per_s`), so no byte is charged twice.
+element-wise chain, `clock_calibration.elementwise_bytes_per_s`, with `allocated_seconds`), so
+no byte is charged twice.
 
 On CUDA the caching allocator hands back blocks it holds: nothing is measured (an empty
 table, the term left out).
@@ -26,35 +27,6 @@ from __future__ import annotations
 #: sizes the price is measured at (bytes); between them the clock interpolates in log size,
 #: beyond them it holds the nearest figure
 PROBE_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-
-
-def seconds_per_byte_by_size(device, budget_s: float = 0.1, sizes=PROBE_SIZES) -> tuple:
-    """((bytes, seconds per byte), ...): what allocating a fresh tensor of that size adds
-    to writing it, per byte: an empty tensor filled and freed against the same fill into a
-    tensor allocated once, best of interleaved rounds, less the same difference for a tiny
-    tensor (a tensor's fixed cost, which the clock's per-op figure already charges). () on a
-    device other than a CPU."""
-    import time
-
-    import torch
-    from sppo_fx.solver.clock_calibration import best_each
-    if getattr(device, "type", device) != "cpu":
-        return ()
-    probed = (256,) + tuple(sizes)  # 256 bytes: a small bin of the heap, never fresh pages
-    kept = [torch.empty(n // 4, dtype=torch.float32) for n in probed]
-
-    def fresh(n):
-        torch.empty(n // 4, dtype=torch.float32).fill_(1.0)
-
-    fns = [f for n, buf in zip(probed, kept) for f in (lambda n=n: fresh(n), lambda buf=buf: buf.fill_(1.0))]
-    # wall time: the faults are the kernel's work (system time) on the probe's own thread
-    times = best_each(fns, budget_s, min_rounds=3, timer=time.perf_counter)
-    extra = [max(times[2 * i] - times[2 * i + 1], 0.0) for i in range(len(probed))]
-    # a tensor's fixed cost: the cheaper of the two smallest sizes (each is served from the
-    # heap or not depending on its state: a 256-byte block freed next to the heap's top can
-    # give pages back under `MALLOC_TRIM_THRESHOLD_`, measured at 70 us in a worker)
-    fixed = min(extra[:2])
-    return tuple((int(n), max(x - fixed, 0.0) / n) for n, x in zip(sizes, extra[1:]))
 
 
 def price(table, nbytes: float) -> float:

@@ -16,6 +16,7 @@ from sppo_fx.errors import SppoError
 from sppo_fx.solver.clock import Clock
 from sppo_fx.solver.clock_calibration import best_each
 from sppo_fx.solver.profiles import MiB, DeviceProfile
+from sppo_fx.solver.allocation import PROBE_SIZES
 
 
 def _fit_saturating(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -173,8 +174,7 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         dtype, d, token_counts = torch.float32, 512, [32, 128, 512, 1024]
     # What a fresh tensor costs (the allocator's page faults, `solver.allocation`): first,
     # so that the probes below can leave their own allocations out.
-    from sppo_fx.solver.allocation import seconds_per_byte_by_size
-    allocation = seconds_per_byte_by_size(dev, 0.05 * seconds)
+    allocation = allocation_prices(dev, 0.05 * seconds)
     w = torch.randn(d, d, dtype=dtype, device=dev)
     xs = [torch.randn(n, d, dtype=dtype, device=dev) for n in token_counts]
     # into outputs allocated once: the allocation term charges a program's fresh outputs
@@ -247,3 +247,29 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
         source=f"calibrate(device={str(dev)!r}) in {elapsed:.1f} s; matmul d={d} {str(dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, "
                f"tokens {token_counts}; disk {disk_bytes // MiB} MiB in {dir or tempfile.gettempdir()}")
+
+
+def allocation_prices(device, budget_s: float = 0.1, sizes=PROBE_SIZES) -> tuple:
+    """((bytes, seconds per byte), ...): what allocating a fresh tensor of that size adds
+    to writing it, per byte: an empty tensor filled and freed against the same fill into a
+    tensor allocated once, best of interleaved rounds, less the same difference for a tiny
+    tensor (a tensor's fixed cost, which the clock's per-op figure already charges). () on a
+    device other than a CPU."""
+    import torch
+    if getattr(device, "type", device) != "cpu":
+        return ()
+    probed = (256,) + tuple(sizes)  # 256 bytes: a small bin of the heap, never fresh pages
+    kept = [torch.empty(n // 4, dtype=torch.float32) for n in probed]
+
+    def fresh(n):
+        torch.empty(n // 4, dtype=torch.float32).fill_(1.0)
+
+    fns = [f for n, buf in zip(probed, kept) for f in (lambda n=n: fresh(n), lambda buf=buf: buf.fill_(1.0))]
+    # wall time: the faults are the kernel's work (system time) on the probe's own thread
+    times = best_each(fns, budget_s, min_rounds=3, timer=time.perf_counter)
+    extra = [max(times[2 * i] - times[2 * i + 1], 0.0) for i in range(len(probed))]
+    # a tensor's fixed cost: the cheaper of the two smallest sizes (each is served from the
+    # heap or not depending on its state: a 256-byte block freed next to the heap's top can
+    # give pages back under `MALLOC_TRIM_THRESHOLD_`, measured at 70 us in a worker)
+    fixed = min(extra[:2])
+    return tuple((int(n), max(x - fixed, 0.0) / n) for n, x in zip(sizes, extra[1:]))

@@ -21,6 +21,7 @@ solver predicts both and keeps the faster.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 
@@ -179,13 +180,23 @@ def _node_allocations(node: fx.Node, seq: sympy.Symbol, with_grad: set) -> list[
         found += [(_nbytes(t), True) for n, t in ins if n in with_grad and t.is_floating_point()]
     allocs = []
     for nbytes, backward in found:
-        expr = sympy.expand(sympy.sympify(nbytes))
-        if not expr.free_symbols:
-            allocs.append(Allocation(0.0, float(expr), backward=backward, matmul=matmul))
-        elif _per_token(expr, seq) and not (expr - _per_token(expr, seq) * seq).free_symbols:
-            allocs.append(Allocation(_per_token(expr, seq), float(expr - _per_token(expr, seq) * seq),
-                                     backward=backward, matmul=matmul))
+        line = _line_in(nbytes, seq)
+        if line is not None:
+            allocs.append(Allocation(line[0], line[1], backward=backward, matmul=matmul))
     return allocs
+
+
+@functools.lru_cache(maxsize=4096)
+def _line_in(expr, seq: sympy.Symbol) -> tuple[float, float] | None:
+    """(slope, intercept) of an expression in the sequence length when it is a line in it
+    (a constant included), else None. Cached: a graph's nodes share a few shapes, and
+    sympy's expansion is most of the cost model's time otherwise."""
+    expr = sympy.expand(sympy.sympify(expr))
+    if not expr.free_symbols:
+        return 0.0, float(expr)
+    slope = _per_token(expr, seq)
+    rest = expr - slope * seq
+    return (slope, float(rest)) if slope and not rest.free_symbols else None
 
 
 _MATMULS = (torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,

@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from sppo_fx.solver.allocation import PROBE_SIZES, allocated_seconds, price, seconds_per_byte_by_size
+from sppo_fx.solver.allocation import PROBE_SIZES, allocated_seconds, price
 from sppo_fx.solver.budget import solve, step_terms
+from sppo_fx.solver.calibration import allocation_prices
 from sppo_fx.solver.clock import Clock
 from sppo_fx.solver.memory_model import MemoryModel
 from sppo_fx.solver.partition import Allocation, ChunkCostModel, cost_model_from_graph
@@ -104,14 +105,14 @@ def test_fresh_blocks_are_priced_where_the_allocator_maps_them():
     # glibc's mmap threshold fixed at 128 KiB (the benchmark workers' setting): every block
     # of 1 MiB and more is fresh pages, which the kernel faults in (and zeroes) as they are
     # written. Zeroing alone is at least 0.02 ns a byte on any machine.
-    code = ("import torch; from sppo_fx.solver.allocation import seconds_per_byte_by_size as f; "
+    code = ("import torch; from sppo_fx.solver.calibration import allocation_prices as f; "
             "print(dict(f(torch.device('cpu'), 0.2))[4 << 20])")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert float(out.stdout.split()[-1]) > 0.02e-9
-    here = seconds_per_byte_by_size(torch.device("cpu"), 0.05)
+    here = allocation_prices(torch.device("cpu"), 0.05)
     assert [n for n, _ in here] == list(PROBE_SIZES) and all(s >= 0 for _, s in here)
-    assert seconds_per_byte_by_size(torch.device("meta")) == ()
+    assert allocation_prices(torch.device("meta")) == ()
 
 
 def test_the_elementwise_probe_leaves_its_own_allocations_out(monkeypatch):
