@@ -13,10 +13,10 @@ import tempfile
 import time
 
 from sppo_fx.errors import SppoError
+from sppo_fx.solver.allocation import PROBE_SIZES
 from sppo_fx.solver.clock import Clock
 from sppo_fx.solver.clock_calibration import best_each
 from sppo_fx.solver.profiles import MiB, DeviceProfile
-from sppo_fx.solver.allocation import PROBE_SIZES
 
 
 def _fit_saturating(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -139,8 +139,9 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
       * the element-wise bandwidth: a mul/add/silu chain on [1024, 512] tensors, forward
         and backward (`clock_calibration.elementwise_bytes_per_s`), its own allocations
         taken out;
-      * what allocating a fresh tensor costs per byte, by size (`solver.allocation`); the
-        matmuls above write into outputs allocated once, so that no byte is charged twice.
+      * what allocating a fresh tensor costs per byte, by size (`allocation_prices`, the
+        clock's allocation term, `solver.allocation`); the matmuls above write into outputs
+        allocated once, so that no byte is charged twice.
 
     The figures are what the machine does *now*: on a CPU shared with other busy processes,
     OpenMP threads get descheduled and matmuls run 5-100x slower for whole seconds (seen on
