@@ -103,8 +103,9 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
             f += attn / (1 + cost.backward_factor)  # the forward's share (backward: about twice)
         terms.elementwise += clock.elementwise_seconds(cost, c, recompute_fraction)
         f += clock.elementwise_seconds(cost, c) / (1 + ELEMENTWISE_BACKWARD)  # the forward's share
-        terms.allocation += clock.allocation_seconds(cost, c, recompute_fraction)
-        f += clock.allocation_seconds(cost, c, forward_only=True)
+        alloc_fwd, alloc_bwd = clock.allocation_parts(cost, c)
+        terms.allocation += alloc_fwd * (1 + recompute_fraction) + alloc_bwd  # a recompute allocates again
+        f += alloc_fwd
         fwd.append(f)
     files = sum(2 * tensors for a in ratios if a > 0)  # written, then read back
     reads_n = skeleton_passes * sum(skeleton_blocks or ())  # forward, backward (and a recompute)

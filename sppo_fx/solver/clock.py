@@ -155,17 +155,20 @@ class Clock:
         backward (`forward_only`: the forward's), each at the price of its size; a
         recompute's forward allocates `recompute_fraction` of the forward's again. 0
         without a price table."""
-        from sppo_fx.solver.allocation import price
+        forward, backward = self.allocation_parts(cost, tokens)
+        return forward if forward_only else forward * (1.0 + recompute_fraction) + backward
+
+    def allocation_parts(self, cost, tokens: float) -> tuple[float, float]:
+        """(forward, backward) seconds of a chunk's allocations (`allocation_seconds`), in
+        one pass over them."""
         if not self.allocation_by_size:
-            return 0.0
-        total = 0.0
+            return 0.0, 0.0
+        parts = [0.0, 0.0]
         for a in getattr(cost, "allocations", ()):
-            if (forward_only and a.backward) or not (self.op_by_op or a.matmul):
-                continue
-            nbytes = a.nbytes(tokens)
-            again = 1.0 if a.backward or forward_only else 1.0 + recompute_fraction
-            total += a.count * again * nbytes * price(self.allocation_by_size, nbytes)
-        return total
+            if self.op_by_op or a.matmul:
+                nbytes = a.nbytes(tokens)
+                parts[a.backward] += a.count * nbytes * allocation_price(self.allocation_by_size, nbytes)
+        return parts[0], parts[1]
 
     def pair_seconds(self, d: float) -> float:
         """Forward + backward seconds of one (query, key) pair of one head at head dim d:
@@ -189,12 +192,18 @@ def _table(profile, name: str) -> tuple:
     return tuple(sorted((float(a), float(b)) for a, b in (getattr(profile, name, ()) or ())))
 
 
-def _by_length(table, c: float) -> float:
-    """A factor measured at some chunk lengths: interpolated in log c, held beyond; 1 if
-    none was measured."""
+def _by_length(table, c: float, empty: float = 1.0) -> float:
+    """A figure measured at some lengths (or sizes): interpolated in log c, held beyond;
+    `empty` if none was measured."""
     if not table:
-        return 1.0
+        return empty
     return _interpolate(tuple((math.log(max(n, 1.0)), x) for n, x in table), math.log(max(c, 1.0)), extend=False)
+
+
+def allocation_price(table, nbytes: float) -> float:
+    """Seconds per byte of allocating a fresh block of `nbytes` (`Clock.allocation_by_size`):
+    interpolated in log size, the nearest figure beyond the table; 0 without one."""
+    return _by_length(table, nbytes, empty=0.0) if nbytes > 0 else 0.0
 
 
 def _interpolate(table, x: float, extend: bool) -> float:

@@ -8,10 +8,11 @@ import sys
 import pytest
 import torch
 
-from sppo_fx.solver.allocation import PROBE_SIZES, allocated_seconds, price
+from sppo_fx.solver.allocation import PROBE_SIZES, allocated_seconds
 from sppo_fx.solver.budget import solve, step_terms
 from sppo_fx.solver.calibration import allocation_prices
 from sppo_fx.solver.clock import Clock
+from sppo_fx.solver.clock import allocation_price as price
 from sppo_fx.solver.memory_model import MemoryModel
 from sppo_fx.solver.partition import Allocation, ChunkCostModel, cost_model_from_graph
 from sppo_fx.solver.profiles import DeviceProfile
