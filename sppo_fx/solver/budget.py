@@ -92,7 +92,7 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
     terms = StepTerms()
     fwd = []
     weights, weights_fwd = clock.weight_seconds(cost, recompute_fraction), clock.weight_seconds(cost) / 2
-    for c, t in zip(lengths, starts):
+    for i, (c, t) in enumerate(zip(lengths, starts)):
         attn = attention_seconds(cost, c, t, clock)
         flops = cost.forward_flops(c, t) if attn is None else cost.per_token * c
         f = flops / (rate * c / (c + c_half)) / max(clock.compiled_speedup, 1e-9)
@@ -103,7 +103,9 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
             f += attn / (1 + cost.backward_factor)  # the forward's share (backward: about twice)
         terms.elementwise += clock.elementwise_seconds(cost, c, recompute_fraction)
         f += clock.elementwise_seconds(cost, c) / (1 + ELEMENTWISE_BACKWARD)  # the forward's share
-        alloc_fwd, alloc_bwd = clock.allocation_parts(cost, c)
+        # the last chunk's backward runs first: it makes the weight gradients (with
+        # `weight_grads_in_gemm` the others add into them)
+        alloc_fwd, alloc_bwd = clock.allocation_parts(cost, c, weight_grads=i == len(lengths) - 1)
         terms.allocation += alloc_fwd * (1 + recompute_fraction) + alloc_bwd  # a recompute allocates again
         f += alloc_fwd
         fwd.append(f)

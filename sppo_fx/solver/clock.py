@@ -94,6 +94,10 @@ class Clock:
             fresh tensor of that size (() : the allocation term left out).
         op_by_op: the chunk programs run op by op (every op allocates its output), else
             compiled (only the matmuls' outputs and gradients are charged).
+        weight_grads_in_gemm: the programs are the memory passes' (compiled, or op by op
+            with a tier): a matmul's weight gradient is allocated by the step's first chunk
+            in the backward only, later chunks add theirs inside the GEMM
+            (`passes.offload.fuse_grad_matmul`); else every chunk allocates its own.
     """
 
     op_seconds: float = 0.0
@@ -111,6 +115,7 @@ class Clock:
     cache_bytes: int = 0
     allocation_by_size: tuple = ()
     op_by_op: bool = False
+    weight_grads_in_gemm: bool = False
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -127,7 +132,8 @@ class Clock:
                    _table(profile, "attention_by_dim"), _table(profile, "attention_square"),
                    _table(profile, "attention_size"),
                    get("elementwise_bytes_per_s"), get("skeleton_read_seconds"), get("weight_read_seconds"),
-                   int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled)
+                   int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled,
+                   compiled or tier is not None)
 
     def weight_seconds(self, cost, recompute_fraction: float = 0.0) -> float:
         """Seconds one chunk spends reading the model's weights from memory: its forward,
@@ -158,13 +164,17 @@ class Clock:
         forward, backward = self.allocation_parts(cost, tokens)
         return forward if forward_only else forward * (1.0 + recompute_fraction) + backward
 
-    def allocation_parts(self, cost, tokens: float) -> tuple[float, float]:
+    def allocation_parts(self, cost, tokens: float, weight_grads: bool = True) -> tuple[float, float]:
         """(forward, backward) seconds of a chunk's allocations (`allocation_seconds`), in
-        one pass over them."""
+        one pass over them; without the matmuls' weight gradients (fixed-size backward
+        allocations) where `weight_grads` is False and `weight_grads_in_gemm`."""
         if not self.allocation_by_size:
             return 0.0, 0.0
         parts = [0.0, 0.0]
+        skip_weights = self.weight_grads_in_gemm and not weight_grads
         for a in getattr(cost, "allocations", ()):
+            if skip_weights and a.backward and a.matmul and not a.per_token:
+                continue
             if self.op_by_op or a.matmul:
                 nbytes = a.nbytes(tokens)
                 parts[a.backward] += a.count * nbytes * allocation_price(self.allocation_by_size, nbytes)
