@@ -94,10 +94,10 @@ class Clock:
             fresh tensor of that size (() : the allocation term left out).
         op_by_op: the chunk programs run op by op (every op allocates its output), else
             compiled (only the matmuls' outputs and gradients are charged).
-        weight_grads_in_gemm: the programs are the memory passes' (compiled, or op by op
-            with a tier): a matmul's weight gradient is allocated by the step's first chunk
-            in the backward only, later chunks add theirs inside the GEMM
-            (`passes.offload.fuse_grad_matmul`); else every chunk allocates its own.
+        weight_grads_in_gemm: the programs are compiled: a matmul's weight gradient is
+            allocated by the step's first chunk in the backward only, later chunks add
+            theirs inside the GEMM (`passes.offload.fuse_grad_matmul`); op by op every
+            chunk allocates its own.
     """
 
     op_seconds: float = 0.0
@@ -132,8 +132,7 @@ class Clock:
                    _table(profile, "attention_by_dim"), _table(profile, "attention_square"),
                    _table(profile, "attention_size"),
                    get("elementwise_bytes_per_s"), get("skeleton_read_seconds"), get("weight_read_seconds"),
-                   int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled,
-                   compiled or tier is not None)
+                   int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled, compiled)
 
     def weight_seconds(self, cost, recompute_fraction: float = 0.0) -> float:
         """Seconds one chunk spends reading the model's weights from memory: its forward,

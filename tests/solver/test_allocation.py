@@ -63,19 +63,20 @@ def test_the_step_has_an_allocation_term_and_the_profile_carries_its_table():
 
 
 def test_weight_gradients_are_allocated_once_a_step_where_the_gemm_adds_them():
-    """The memory passes' programs (compiled, or op by op with a tier) add a chunk's weight
-    gradients inside the GEMM (`fuse_grad_matmul`): only the backward's first chunk (the
-    last one) allocates them. Plain op-by-op programs allocate them in every chunk."""
+    """Compiled programs add a chunk's weight gradients inside the GEMM (`fuse_grad_matmul`):
+    only the backward's first chunk (the last one) allocates them. Op-by-op programs, with a
+    tier or without, allocate them in every chunk."""
     prof = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, n_half=0.0, allocation_by_size=TABLE)
     weight = Allocation(per_token=0.0, fixed=4 * MiB, backward=True, matmul=True)
     cost = ChunkCostModel(1e7, 1e3, allocations=(weight, Allocation(per_token=4 * KiB, backward=True, matmul=True)))
     args = (cost, [1024] * 4, [0.0] * 4, [0] * 4, 1e11, 0.0, 1e9)
     activations = 4 * 4 * MiB * 1e-9  # 4 chunks of 1024 tokens x 4 KiB, every time
-    for clock in (Clock.of(prof, compiled=True), Clock.of(prof, compiled=False, tier="disk")):
-        assert clock.weight_grads_in_gemm
-        assert step_terms(*args, clock=clock).allocation == pytest.approx(activations + 4 * MiB * 1e-9)
-    plain = Clock.of(prof, compiled=False, tier=None)
-    assert step_terms(*args, clock=plain).allocation == pytest.approx(activations + 4 * 4 * MiB * 1e-9)
+    compiled = Clock.of(prof, compiled=True)
+    assert compiled.weight_grads_in_gemm
+    assert step_terms(*args, clock=compiled).allocation == pytest.approx(activations + 4 * MiB * 1e-9)
+    for tier in ("disk", None):
+        op_by_op = Clock.of(prof, compiled=False, tier=tier)
+        assert step_terms(*args, clock=op_by_op).allocation == pytest.approx(activations + 4 * 4 * MiB * 1e-9)
 
 
 def test_the_price_of_large_blocks_flips_few_chunks_to_many():
