@@ -103,8 +103,8 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
             f += attn / (1 + cost.backward_factor)  # the forward's share (backward: about twice)
         terms.elementwise += clock.elementwise_seconds(cost, c, recompute_fraction)
         f += clock.elementwise_seconds(cost, c) / (1 + ELEMENTWISE_BACKWARD)  # the forward's share
-        # the last chunk's backward runs first: it makes the weight gradients (with
-        # `weight_grads_in_gemm` the others add into them)
+        # the last chunk's backward runs first: it makes the weight gradients (compiled,
+        # the others add into them)
         alloc_fwd, alloc_bwd = clock.allocation_parts(cost, c, weight_grads=i == len(lengths) - 1)
         terms.allocation += alloc_fwd * (1 + recompute_fraction) + alloc_bwd  # a recompute allocates again
         f += alloc_fwd

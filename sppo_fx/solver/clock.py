@@ -92,12 +92,10 @@ class Clock:
             cache (0: not charged); cache_bytes: the cache weights must exceed for it.
         allocation_by_size: ((bytes, seconds per byte), ...): the price of allocating a
             fresh tensor of that size (() : the allocation term left out).
-        op_by_op: the chunk programs run op by op (every op allocates its output), else
-            compiled (only the matmuls' outputs and gradients are charged).
-        weight_grads_in_gemm: the programs are compiled: a matmul's weight gradient is
-            allocated by the step's first chunk in the backward only, later chunks add
-            theirs inside the GEMM (`passes.offload.fuse_grad_matmul`); op by op every
-            chunk allocates its own.
+        op_by_op: the chunk programs run op by op (every op allocates its output, and
+            every chunk its weight gradients), else compiled (only the matmuls' outputs and
+            gradients are charged, a weight gradient once a step: later chunks add theirs
+            inside the GEMM, `passes.offload.fuse_grad_matmul`).
     """
 
     op_seconds: float = 0.0
@@ -115,7 +113,6 @@ class Clock:
     cache_bytes: int = 0
     allocation_by_size: tuple = ()
     op_by_op: bool = False
-    weight_grads_in_gemm: bool = False
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -132,7 +129,7 @@ class Clock:
                    _table(profile, "attention_by_dim"), _table(profile, "attention_square"),
                    _table(profile, "attention_size"),
                    get("elementwise_bytes_per_s"), get("skeleton_read_seconds"), get("weight_read_seconds"),
-                   int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled, compiled)
+                   int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled)
 
     def weight_seconds(self, cost, recompute_fraction: float = 0.0) -> float:
         """Seconds one chunk spends reading the model's weights from memory: its forward,
@@ -166,11 +163,11 @@ class Clock:
     def allocation_parts(self, cost, tokens: float, weight_grads: bool = True) -> tuple[float, float]:
         """(forward, backward) seconds of a chunk's allocations (`allocation_seconds`), in
         one pass over them; without the matmuls' weight gradients (fixed-size backward
-        allocations) where `weight_grads` is False and `weight_grads_in_gemm`."""
+        allocations) where `weight_grads` is False and the programs are compiled."""
         if not self.allocation_by_size:
             return 0.0, 0.0
         parts = [0.0, 0.0]
-        skip_weights = self.weight_grads_in_gemm and not weight_grads
+        skip_weights = not (self.op_by_op or weight_grads)
         for a in getattr(cost, "allocations", ()):
             if skip_weights and a.backward and a.matmul and not a.per_token:
                 continue

@@ -192,8 +192,7 @@ def test_the_plan_prints_its_predicted_terms():
 
 def test_clock_of_a_profile_and_its_checks():
     prof = get_profile("h100")
-    # spec profiles: no fixed costs known, terms left out (compiled: weight gradients added in the GEMM)
-    assert Clock.of(prof) == Clock(weight_grads_in_gemm=True)
+    assert Clock.of(prof) == Clock()  # spec profiles: no fixed costs known, terms left out
     cpu = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, op_seconds=1e-5, file_seconds=1e-4,
                         compiled_speedup=2.0)
     assert Clock.of(cpu).file_seconds == 1e-4 and Clock.of(cpu, tier="host").file_seconds == 0
