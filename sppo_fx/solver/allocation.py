@@ -28,6 +28,11 @@ from __future__ import annotations
 #: beyond them it holds the nearest figure
 PROBE_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
+#: bytes of tensors of one size the probe holds at once (`calibration.allocation_prices`):
+#: more than the free blocks a process's heap keeps after training steps (a few MiB), so
+#: that most of them get fresh pages, as a step's do
+PROBE_VOLUME = 16 << 20
+
 
 def allocated_seconds(fn, table) -> float:
     """What the tensors `fn()` allocates cost at the `table`'s prices

@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from sppo_fx.errors import SppoError
-from sppo_fx.solver.allocation import PROBE_SIZES
+from sppo_fx.solver.allocation import PROBE_SIZES, PROBE_VOLUME
 from sppo_fx.solver.clock import Clock
 from sppo_fx.solver.clock_calibration import best_each
 from sppo_fx.solver.profiles import MiB, DeviceProfile
@@ -252,23 +252,38 @@ def calibrate(device: str = "cpu", seconds: float = 2.0, dir: str | None = None,
 
 def allocation_prices(device, budget_s: float = 0.1, sizes=PROBE_SIZES) -> tuple:
     """((bytes, seconds per byte), ...): what allocating a fresh tensor of that size adds
-    to writing it, per byte: an empty tensor filled and freed against the same fill into a
-    tensor allocated once, best of interleaved rounds, less the same difference for a tiny
-    tensor (a tensor's fixed cost, which the clock's per-op figure already charges). () on a
-    device other than a CPU."""
+    to writing it, per byte: `PROBE_VOLUME` bytes of such tensors allocated, filled and
+    freed against the same fills into tensors allocated once, best of interleaved rounds,
+    per tensor less the same difference for a tiny tensor (a tensor's fixed cost, which the
+    clock's per-op figure already charges). () on a device other than a CPU.
+
+    Many at once, not one: free blocks that earlier work left inside glibc's heap (2.7 MiB
+    after two eager steps of the bench model) served a lone 256 KiB or 1 MiB probe from
+    resident pages, and the table read 0 there, while a training step's gigabytes of such
+    blocks get fresh pages (7.7 GiB of page faults a step, measured with `getrusage`)."""
     import torch
     if getattr(device, "type", device) != "cpu":
         return ()
     probed = (256,) + tuple(sizes)  # 256 bytes: a small bin of the heap, never fresh pages
-    kept = [torch.empty(n // 4, dtype=torch.float32) for n in probed]
+    # the fixed-cost references (the two smallest sizes) one tensor each, as a program's
+    # small outputs come; every larger size PROBE_VOLUME bytes of tensors alive at once
+    counts = [1 if i < 2 else max(1, PROBE_VOLUME // n) for i, n in enumerate(probed)]
+    kept = [[torch.empty(n // 4, dtype=torch.float32) for _ in range(k)] for n, k in zip(probed, counts)]
 
-    def fresh(n):
-        torch.empty(n // 4, dtype=torch.float32).fill_(1.0)
+    def fresh(n, k):
+        blocks = [torch.empty(n // 4, dtype=torch.float32) for _ in range(k)]
+        for b in blocks:
+            b.fill_(1.0)
 
-    fns = [f for n, buf in zip(probed, kept) for f in (lambda n=n: fresh(n), lambda buf=buf: buf.fill_(1.0))]
+    def refill(bufs):
+        for b in bufs:
+            b.fill_(1.0)
+
+    fns = [f for n, k, bufs in zip(probed, counts, kept)
+           for f in (lambda n=n, k=k: fresh(n, k), lambda bufs=bufs: refill(bufs))]
     # wall time: the faults are the kernel's work (system time) on the probe's own thread
     times = best_each(fns, budget_s, min_rounds=3, timer=time.perf_counter)
-    extra = [max(times[2 * i] - times[2 * i + 1], 0.0) for i in range(len(probed))]
+    extra = [max(times[2 * i] - times[2 * i + 1], 0.0) / k for i, k in enumerate(counts)]  # per tensor
     # a tensor's fixed cost: the cheaper of the two smallest sizes (each is served from the
     # heap or not depending on its state: a 256-byte block freed next to the heap's top can
     # give pages back under `MALLOC_TRIM_THRESHOLD_`, measured at 70 us in a worker)

@@ -79,13 +79,14 @@ def profile_key(device: str, dir: str | None = None) -> dict:
         disk = f"filesystem {os.stat(target).st_dev}"
     except OSError:
         disk = target
-    # the version only goes up (12: allocation prices, matmuls into buffers, the element-wise
+    # the version only goes up (13: allocation prices from many blocks at once, not one that
+    # a heap's free block could serve; 12: allocation prices, matmuls into buffers, the element-wise
     # chain less its allocations; 11: an op of the memory passes' programs; 10: weights read
     # from memory; 9: a streamed block read measured on the op; 8: CPU attention timed on as
     # many heads as threads; 7: the element-wise bandwidth from two windows; 6, whose
     # block_call_seconds was taken back, must not be read as current either)
     return {"device": dev.type, "hardware": hardware, "threads": torch.get_num_threads(),
-            "disk": disk, "host": platform.node(), "version": 12,
+            "disk": disk, "host": platform.node(), "version": 13,
             # glibc's settings decide what a fresh tensor costs (`solver.allocation`)
             "allocator": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_"))}
 
