@@ -14,7 +14,8 @@ under glibc's default.
 `calibration.allocation_prices` measures that price per byte at `PROBE_SIZES` in the
 process that will train, so the figure follows its allocator settings by itself; the clock
 charges every allocation of a chunk's programs at its size (`solver.clock.allocation_price`,
-`Clock.allocation_seconds`; sizes from `solver.partition.cost_model_from_graph`). The probes
+`Clock.allocation_seconds`; sizes from the memory model's traced graphs,
+`passes.cost.saved.allocated_tensors`, else `solver.partition.cost_model_from_graph`). The probes
 of the clock's other terms write into buffers allocated once (the matmul), or have their own
 allocations taken out (the element-wise chain, `clock_calibration.elementwise_bytes_per_s`,
 with `allocated_seconds`), so no byte is charged twice.

@@ -19,7 +19,10 @@
                  read and write per token (`ChunkCostModel.elementwise_bytes`, forward) at the
                  calibrated element-wise bandwidth (`elementwise_bytes_per_s`), forward x
                  (1 + `ELEMENTWISE_BACKWARD` + 1 when a recompute policy replays them)
-    allocation   every tensor a chunk's forward and backward allocate (`ChunkCostModel.allocations`:
+    allocation   every tensor a chunk's forward and backward allocate: those of the recompute
+                 policy's traced AOTAutograd graphs (`MemoryModel.allocations`, the backward's
+                 derivative intermediates and gradient sums included, a recompute's forward
+                 in the backward), else the captured graph's list (`ChunkCostModel.allocations`:
                  outputs, gradients, a weight's gradient per chunk; a recompute's forward
                  again), bytes x the calibrated price of a fresh block of that size
                  (`allocation_by_size`, `solver.allocation`: the allocator's page faults,

@@ -85,6 +85,11 @@ class MemoryModel:
         tensors: chunk-private saved tensors of a chunk (the disk tier writes one file each).
         windowed: per sliding window W of some sites, (W, (c, p) -> K/V bytes of those
             sites' share of a chunk); `level1` counts them too.
+        allocations: what this policy's forward and backward graphs allocate per chunk
+            (`solver.partition.Allocation` lines in the chunk's tokens, from the traced
+            partition, `passes.cost.saved.allocated_tensors`; the backward's include a
+            recompute's forward ops); () where the trace gave none: the clock then counts
+            the captured graph's (`ChunkCostModel.allocations`).
     """
 
     level1: object
@@ -97,6 +102,7 @@ class MemoryModel:
     sites: int = 1
     windowed: tuple = ()
     tensors: int = 0
+    allocations: tuple = ()
 
     def streamed_level2(self, c, p) -> int:
         """Chunk-private saved bytes with the skeleton offloaded: the chunk's own K/V are saved
@@ -136,7 +142,27 @@ class MemoryModel:
         windowed = tuple((w, at(chunk_cost, None, sympy.Add(*exprs))) for w, exprs in sorted(by_window.items()))
         return cls(at(chunk_cost, "level1_bytes"), at(chunk_cost, "level2_bytes"), fixed_bytes,
                    recomputed=rebuilt, recompute=recompute, recompute_fraction=recompute_fraction,
-                   windowed=windowed, tensors=sum(1 for s in chunk_cost.saved if s.level == 2))
+                   windowed=windowed, tensors=sum(1 for s in chunk_cost.saved if s.level == 2),
+                   allocations=allocation_lines(chunk_cost))
+
+
+def allocation_lines(chunk_cost) -> tuple:
+    """`ChunkCost.allocated` as the clock's `Allocation` lines in the chunk's tokens c, at
+    the traced batch: sizes that grow with the prefix or are not a line in c (attention's
+    own buffers, which the clock's attention term prices) are left out."""
+    from sppo_fx.solver.partition import Allocation, _line_in
+    counts: dict = {}
+    for a in getattr(chunk_cost, "allocated", ()):
+        expr = sympy.sympify(a.bytes_expr).subs(cost_model.b, chunk_cost.batch)
+        if cost_model.p in expr.free_symbols:
+            continue
+        line = _line_in(expr, cost_model.c)
+        if line is None:
+            continue
+        key = Allocation(line[0], line[1], backward=a.backward, matmul=a.matmul)
+        counts[key] = counts.get(key, 0) + a.count
+    return tuple(dataclasses.replace(k, count=float(n)) for k, n in sorted(
+        counts.items(), key=lambda kv: (kv[0].per_token, kv[0].fixed, kv[0].backward, kv[0].matmul)))
 
 
 def chunk_starts(lengths: list[int]) -> list[int]:

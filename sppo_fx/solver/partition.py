@@ -70,6 +70,9 @@ class ChunkCostModel:
             (`solver.clock`), where they do not stay in the processor's cache.
         allocations: the tensors a chunk's forward and backward allocate (`Allocation`):
             the clock's allocation term (`solver.clock`, `solver.allocation`).
+        recompute_allocates: a recompute policy allocates the forward's tensors again
+            (the captured graph's list); False where `allocations` are a partition's
+            traced graphs, whose backward holds the recompute (`budget.with_traced_allocations`).
     """
 
     per_token: float
@@ -80,6 +83,7 @@ class ChunkCostModel:
     elementwise_bytes: float = 0.0
     weight_bytes: float = 0.0
     allocations: tuple = ()
+    recompute_allocates: bool = True
 
     def forward_flops(self, length: int, start: int) -> float:
         return self.per_token * length + self.per_pair * length * (start + (length + 1) / 2)

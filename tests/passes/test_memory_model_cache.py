@@ -46,8 +46,9 @@ def _llama():
 
 
 def _fields(result):
-    by_policy, example = result
-    return {policy: [dataclasses.astuple(s) for s in saved] for policy, saved in by_policy.items()}, example
+    by_policy, example, allocated = result
+    return ({policy: [dataclasses.astuple(s) for s in saved] for policy, saved in by_policy.items()}, example,
+            {policy: [dataclasses.astuple(a) for a in allocs] for policy, allocs in allocated.items()})
 
 
 def _stored(tmp_path):
@@ -71,6 +72,7 @@ def test_a_second_lookup_reads_the_file_and_does_not_trace(cold, tmp_path, caplo
     assert f"memory model: read from cache {files[0]}" in caplog.text
     assert _fields(again) == _fields(first)  # every SavedTensor field: names, sympy shapes/bytes, dtype, ...
     assert again[0]["full"] and again[0]["none"] != again[0]["full"]
+    assert again[2]["full"] and again[2]["none"] != again[2]["full"]  # a recompute allocates more
     # the same process keeps it in memory: the file is not needed
     files[0].unlink()
     assert _fields(_lookup(program, seq, params, partition="min_cut", recomputes=("none", "full"))) == _fields(first)

@@ -47,6 +47,27 @@ def test_a_chunk_pays_each_allocation_at_its_size():
     assert Clock(op_by_op=True).allocation_seconds(cost, 256) == 0.0
 
 
+def test_the_step_counts_the_traced_partitions_allocations_where_the_memory_model_has_them():
+    from types import SimpleNamespace
+    from sppo_fx.solver.budget import with_traced_allocations
+    captured = ChunkCostModel(1e7, 1e3, allocations=(Allocation(per_token=4 * KiB, count=2),
+                                                     Allocation(per_token=4 * KiB, backward=True)))
+    # the partition's graphs: the forward's two outputs, and a backward that holds the
+    # recomputed one again and three gradients (derivatives' intermediates included)
+    traced = (Allocation(per_token=4 * KiB, count=2), Allocation(per_token=4 * KiB, count=4, backward=True))
+    clock = Clock(allocation_by_size=TABLE, op_by_op=True)
+
+    def allocation(cost, recompute_fraction):
+        return step_terms(cost, [256], [0.0], [0], 1e12, 0.0, float("inf"), recompute_fraction,
+                          clock=clock).allocation
+    # 256 tokens: 1 MiB a tensor at 1 ns a byte
+    assert allocation(captured, 0.5) == pytest.approx((2 * 1.5 + 1) * MiB * 1e-9)  # the forward again, half
+    mine = with_traced_allocations(captured, SimpleNamespace(allocations=traced))
+    assert mine.allocations == traced and mine.per_token == captured.per_token
+    assert allocation(mine, 0.5) == pytest.approx(6 * MiB * 1e-9)  # the backward has the recompute
+    assert with_traced_allocations(captured, SimpleNamespace(allocations=())) is captured
+
+
 def test_the_step_has_an_allocation_term_and_the_profile_carries_its_table():
     prof = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, n_half=0.0, allocation_by_size=TABLE)
     cost = ChunkCostModel(1e7, 1e3, allocations=(Allocation(per_token=4 * KiB, count=10),))

@@ -76,6 +76,25 @@ class SavedTensor:
     exact: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class AllocatedTensor:
+    """A fresh tensor an op of a chunk's AOTAutograd graphs allocates (its output, not a
+    view of an input, not written in place), as the graphs run op by op.
+
+    Attributes:
+        bytes_expr: its size in bytes (sympy in c, p, b).
+        backward: made by the backward graph (which also holds a recompute's forward ops).
+        matmul: made by a matmul, which a compiled program calls as its own kernel and so
+            allocates too (Inductor fuses the other ops' outputs into fewer buffers).
+        count: how many such tensors the graphs make.
+    """
+
+    bytes_expr: sympy.Expr
+    backward: bool
+    matmul: bool
+    count: int = 1
+
+
 @dataclasses.dataclass
 class ChunkCost:
     """Costs of one chunk as sympy expressions of c (chunk length), p (prefix), b (batch).
@@ -93,6 +112,8 @@ class ChunkCost:
         saved_first: the saved tensors of a chunk without prefix (p = 0), traced separately
             because attention may save different things there; when they differ from
             `saved` at p = 0, `level2_bytes` is a `Piecewise` (first chunk, otherwise).
+        allocated: the fresh tensors the partition's forward and backward graphs allocate
+            (`AllocatedTensor`): the clock's allocation term (`solver.clock`).
     """
 
     fwd_flops: sympy.Expr
@@ -105,6 +126,7 @@ class ChunkCost:
     example: tuple[int, int]
     partition: str = "default"
     saved_first: list[SavedTensor] | None = None
+    allocated: tuple = ()
 
     @property
     def saved_bytes(self) -> sympy.Expr:

@@ -66,10 +66,10 @@ def chunk_costs(program, captured_seq=None, *, params: list[torch.Tensor] | None
     # path uses is_causal SDPA and saves no mask), so its saved set is traced on its own.
     ex = example or choose_example(_static_dims(values), batch)
     if first_chunk:
-        (saved_by, ex), (first_by, _) = stored_saved_tensors_for_examples(program, values, batch,
-                                                                          [ex, (ex[0], 0)], **kw)
+        (saved_by, ex, allocated_by), (first_by, _, _) = stored_saved_tensors_for_examples(
+            program, values, batch, [ex, (ex[0], 0)], **kw)
     else:
-        saved_by, ex = stored_saved_tensors_by_policy(program, values, batch, example=ex, **kw)
+        saved_by, ex, allocated_by = stored_saved_tensors_by_policy(program, values, batch, example=ex, **kw)
         first_by = {}
     fwd = sympy.expand(sympy.Add(*[n.fwd_flops for n in nodes]))
     bwd = sympy.expand(sympy.Add(*[n.bwd_flops for n in nodes]))
@@ -84,7 +84,7 @@ def chunk_costs(program, captured_seq=None, *, params: list[torch.Tensor] | None
                 level2 = sympy.Piecewise((first, sympy.Eq(p, 0)), (level2, True))
         out[policy] = ChunkCost(fwd_flops=fwd, bwd_flops=bwd, saved=saved, level1_bytes=level1,
                                 level2_bytes=level2, nodes=nodes, batch=batch, example=ex, partition=partition,
-                                saved_first=saved_first)
+                                saved_first=saved_first, allocated=tuple(allocated_by.get(policy, ())))
     return out
 
 

@@ -10,10 +10,10 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.errors import SppoError
-from sppo_fx.passes.aliasing import alias_base as _alias_base
+from sppo_fx.passes.aliasing import alias_base as _alias_base, is_view_op, storage_key
 from sppo_fx.passes.offload import memory_partitioner, over_tensor_args
-from sppo_fx.passes.cost.data import SavedTensor, b, c, p
-from sppo_fx.passes.cost.flops import _op_name, _tensors
+from sppo_fx.passes.cost.data import AllocatedTensor, SavedTensor, b, c, p
+from sppo_fx.passes.cost.flops import _MATMUL, _op_name, _tensors
 from sppo_fx.passes.cost.shapes import _input_specs, _placeholders, _renamed_shape
 
 aten = torch.ops.aten
@@ -163,7 +163,8 @@ def _aot_forwards(program, args: list, partition: str, recomputes=("none",)):
     """Trace the chunk program's joint forward+backward graph once with AOTAutograd and
     partition it once per recompute policy.
 
-    Returns ({policy: (forward graph, #forward outputs)}, tensor argument slots). Each
+    Returns ({policy: (forward graph, #forward outputs, backward graph)}, tensor argument
+    slots). Each
     policy's partitioner gets its own copy of the one joint graph (`_copy_joint`), so the
     partitions are those of separate traces, at the price of one trace.
     """
@@ -175,7 +176,7 @@ def _aot_forwards(program, args: list, partition: str, recomputes=("none",)):
     def part(joint, inputs, **kw):
         for policy, fn in parts.items():
             fw, bw = fn(_copy_joint(joint), inputs, **kw)
-            rec[policy] = (fw, kw["num_fwd_outputs"])
+            rec[policy] = (fw, kw["num_fwd_outputs"], bw)
         return fw, bw
 
     slots, fn = over_tensor_args(program.chunk, args)
@@ -214,27 +215,60 @@ def saved_tensors(program, values, batch: int, *, params: list[torch.Tensor] | N
     Returns:
         (saved tensors, level 1 first; the (c0, p0) used).
     """
-    by_policy, ex = saved_tensors_by_policy(program, values, batch, params=params, seq=seq, partition=partition,
-                                            example=example, device=device, recomputes=(recompute,))
+    by_policy, ex, _ = saved_tensors_by_policy(program, values, batch, params=params, seq=seq, partition=partition,
+                                               example=example, device=device, recomputes=(recompute,))
     return by_policy[recompute], ex
 
 
 def saved_tensors_by_policy(program, values, batch: int, *, params: list[torch.Tensor] | None = None,
                             seq=None, partition: str = "default", example: tuple[int, int] | None = None,
                             device=None, recomputes=("none",)
-                            ) -> tuple[dict[str, list[SavedTensor]], tuple[int, int]]:
+                            ) -> tuple[dict[str, list[SavedTensor]], tuple[int, int], dict[str, tuple]]:
     """`saved_tensors` for several recompute policies from one AOTAutograd trace (the joint
-    graph is partitioned once per policy, `_aot_forwards`).
+    graph is partitioned once per policy, `_aot_forwards`), and what each policy's forward
+    and backward graphs allocate (`allocated_tensors`).
 
     Returns:
-        ({policy: saved tensors, level 1 first}, the (c0, p0) used).
+        ({policy: saved tensors, level 1 first}, the (c0, p0) used, {policy: allocated}).
     """
     static = _static_dims(values)
     c0, p0 = example or choose_example(static, batch)
     args = example_inputs(program, c0, p0, params=params, seq=seq, device=device)
     forwards, slots = _aot_forwards(program, args, partition, tuple(dict.fromkeys(recomputes)))
-    return {policy: _classify_saved(program, values, batch, seq, fw, n_out, slots, (c0, p0), static)
-            for policy, (fw, n_out) in forwards.items()}, (c0, p0)
+    saved = {policy: _classify_saved(program, values, batch, seq, fw, n_out, slots, (c0, p0), static)
+             for policy, (fw, n_out, _) in forwards.items()}
+    allocated = {policy: allocated_tensors(fw, bw, (c0, p0), batch, static)
+                 for policy, (fw, _, bw) in forwards.items()}
+    return saved, (c0, p0), allocated
+
+
+def allocated_tensors(fw: fx.GraphModule, bw: fx.GraphModule, example: tuple[int, int], batch: int,
+                      static: set[int]) -> tuple[AllocatedTensor, ...]:
+    """The fresh tensors AOTAutograd's forward and backward graphs allocate, op by op: every
+    output of a call that is not a view of an input and not an input written in place, with
+    its size as an expression of c, p, b (dims matched as the saved tensors' are,
+    `_match_dim`), counted per (size, graph, matmul or not). Outputs whose size the example
+    cannot tell (a dim matched to no expression) count at the example's size."""
+    c0, p0 = example
+    found: dict[tuple, int] = {}
+    for backward, gm in ((False, fw), (True, bw)):
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or is_view_op(node.target):
+                continue
+            outs = _tensors(node.meta.get("val"))
+            if not outs:
+                continue
+            ins = {storage_key(t) for n in node.all_input_nodes for t in _tensors(n.meta.get("val"))}
+            matmul = _op_name(node.target) in _MATMUL
+            for t in outs:
+                key = storage_key(t)
+                if key is not None and key in ins:
+                    continue
+                dims = [_match_dim(int(s), c0, p0, batch, static)[0] for s in t.shape]
+                nbytes = sympy.expand(sympy.Mul(*dims) * t.element_size()) if dims else sympy.Integer(t.element_size())
+                entry = (nbytes, backward, matmul)
+                found[entry] = found.get(entry, 0) + 1
+    return tuple(AllocatedTensor(e, bwd, mm, n) for (e, bwd, mm), n in found.items())
 
 
 def _classify_saved(program, values, batch: int, seq, fw: fx.GraphModule, n_out: int, slots: list[int],

@@ -37,15 +37,15 @@ import torch.fx as fx
 
 from sppo_fx.util.disk_cache import cache_root, enabled, private_dir, read_private, source_digest, write_atomically
 from sppo_fx.util.log import get_logger, phase
-from sppo_fx.passes.cost.data import SavedTensor
+from sppo_fx.passes.cost.data import AllocatedTensor, SavedTensor
 from sppo_fx.passes.cost.saved import saved_tensors_by_policy
 from sppo_fx.passes.cost.shapes import _input_specs
 
 log = get_logger(__name__)
 ENV = "SPPO_FX_MEMORY_MODEL_CACHE"
-FORMAT = 2  # 1: pickles (never read)
+FORMAT = 3  # 3: and what the graphs allocate; 2: saved tensors alone; 1: pickles (never read)
 
-_memo: dict[str, tuple[dict[str, list[SavedTensor]], tuple[int, int]]] = {}  # file path -> result
+_memo: dict[str, tuple] = {}  # file path -> result (saved tensors, example, allocated tensors)
 
 
 def cache_dir() -> str:
@@ -133,8 +133,9 @@ def _path(key: dict) -> str | None:
 
 
 def _copy(result):
-    by_policy, example = result
-    return {policy: list(saved) for policy, saved in by_policy.items()}, tuple(example)
+    by_policy, example, allocated = result
+    return ({policy: list(saved) for policy, saved in by_policy.items()}, tuple(example),
+            {policy: tuple(a) for policy, a in allocated.items()})
 
 
 class _Unstorable(Exception):
@@ -216,17 +217,32 @@ def _decode_saved(d) -> SavedTensor:
                        d["kind"], tuple(d["aliases"]), d["exact"])
 
 
+def _encode_allocated(a: AllocatedTensor) -> dict:
+    return {"bytes": _encode(a.bytes_expr), "backward": a.backward, "matmul": a.matmul, "count": a.count}
+
+
+def _decode_allocated(d) -> AllocatedTensor:
+    if not isinstance(d, dict) or set(d) != {"bytes", "backward", "matmul", "count"} \
+            or not (isinstance(d["backward"], bool) and isinstance(d["matmul"], bool)
+                    and type(d["count"]) is int and d["count"] > 0):
+        raise ValueError(f"not an allocated tensor: {str(d)[:80]}")
+    return AllocatedTensor(_decode(d["bytes"]), d["backward"], d["matmul"], d["count"])
+
+
 def _encode_result(key: dict, result) -> bytes:
     """The file's bytes; raises _Unstorable when reading them back would not give `result`
     exactly (same values and types)."""
-    by_policy, example = result
+    by_policy, example, allocated = result
     data = {"key": key, "saved": {policy: [_encode_saved(s) for s in saved] for policy, saved in by_policy.items()},
-            "example": [int(example[0]), int(example[1])]}
+            "example": [int(example[0]), int(example[1])],
+            "allocated": {policy: [_encode_allocated(a) for a in allocs] for policy, allocs in allocated.items()}}
     text = json.dumps(data)
     again = _decode_result(json.loads(text), key)
 
     def exact(r):
-        return {pol: [tuple((type(v), v) for v in dataclasses.astuple(s)) for s in saved] for pol, saved in r[0].items()}
+        return ({pol: [tuple((type(v), v) for v in dataclasses.astuple(s)) for s in saved] for pol, saved in r[0].items()},
+                {pol: [tuple((type(v), v) for v in dataclasses.astuple(a)) for a in allocs]
+                 for pol, allocs in r[2].items()})
     if again is None or exact(again) != exact(result) or again[1] != tuple(example):
         raise _Unstorable("the stored form would read back differently")
     return text.encode()
@@ -235,7 +251,7 @@ def _encode_result(key: dict, result) -> bytes:
 def _decode_result(data, key: dict):
     """The result held in a file's JSON, None when it is another key's; ValueError for a
     value that no stored result has."""
-    if not isinstance(data, dict) or set(data) != {"key", "saved", "example"}:
+    if not isinstance(data, dict) or set(data) != {"key", "saved", "example", "allocated"}:
         raise ValueError("not a stored memory model")
     if data["key"] != json.loads(json.dumps(key)):  # as JSON holds it: tuples are lists
         return None
@@ -247,7 +263,12 @@ def _decode_result(data, key: dict):
     if not (isinstance(example, list) and len(example) == 2 and all(type(v) is int and v >= 0 for v in example)
             and example[0] > 0):
         raise ValueError(f"bad example chunk {example!r}")
-    return {policy: [_decode_saved(s) for s in saved] for policy, saved in by_policy.items()}, tuple(example)
+    allocated = data["allocated"]
+    if not isinstance(allocated, dict) or set(allocated) != set(key["recomputes"]) \
+            or not all(isinstance(v, list) for v in allocated.values()):
+        raise ValueError("the allocated tensors are not stored per recompute policy")
+    return ({policy: [_decode_saved(s) for s in saved] for policy, saved in by_policy.items()}, tuple(example),
+            {policy: tuple(_decode_allocated(a) for a in allocs) for policy, allocs in allocated.items()})
 
 
 def _read(path: str, key: dict):
@@ -277,7 +298,7 @@ def _write(path: str, key: dict, result) -> None:
 def stored_saved_tensors_by_policy(program, values, batch: int, *, params: list[torch.Tensor] | None = None,
                                    seq=None, partition: str = "default", example: tuple[int, int] | None = None,
                                    device=None, recomputes=("none",), announce: bool = True
-                                   ) -> tuple[dict[str, list[SavedTensor]], tuple[int, int]]:
+                                   ) -> tuple[dict[str, list[SavedTensor]], tuple[int, int], dict[str, tuple]]:
     """`saved.saved_tensors_by_policy`, from this process's memo or the disk cache when
     stored there, else computed (AOTAutograd) and stored. Same arguments and result.
     `announce=False` leaves the progress line to a caller that reports a larger phase."""
