@@ -68,16 +68,17 @@ def test_a_planted_pickle_in_the_memory_model_cache_runs_no_code(cache, tmp_path
 
 
 def test_the_memory_model_round_trips_through_json_and_refuses_anything_else():
-    from sppo_fx.passes.cost.data import SavedTensor, b, c, p
+    from sppo_fx.passes.cost.data import AllocatedTensor, SavedTensor, b, c, p
     x = sympy.Symbol("x", positive=True)
     exprs = [3, sympy.Integer(7), sympy.Rational(3, 4) * c + p, sympy.floor(c / 3) + sympy.Max(c, p) * b ** 2,
              c * (p + c) * 4, x + 1]
     saved = [SavedTensor(f"t{i}", (b, e), torch.bfloat16, sympy.Integer(2) * e if i else e, 2, "activation",
                          ("a", "b"), i % 2 == 0) for i, e in enumerate(exprs)]
+    allocated = (AllocatedTensor(4 * c * b, False, True, 3), AllocatedTensor(sympy.Integer(256), True, False))
     key = {"recomputes": ["none"], "k": (1, 2)}
-    text = saved_cache._encode_result(key, ({"none": saved}, (8, 0)))
-    by_policy, example = saved_cache._decode_result(json.loads(text), key)
-    assert example == (8, 0)
+    text = saved_cache._encode_result(key, ({"none": saved}, (8, 0), {"none": allocated}))
+    by_policy, example, allocs = saved_cache._decode_result(json.loads(text), key)
+    assert example == (8, 0) and allocs == {"none": allocated}
     for got, want in zip(by_policy["none"], saved):
         assert got == want and [type(v) for v in got.shape_expr] == [type(v) for v in want.shape_expr]
     assert by_policy["none"][-1].shape_expr[1].free_symbols == {x}  # the symbol's assumptions kept
@@ -97,6 +98,14 @@ def test_the_memory_model_round_trips_through_json_and_refuses_anything_else():
             saved_cache._decode_result(data, key)
     with pytest.raises(ValueError, match="example"):
         saved_cache._decode_result(dict(json.loads(text), example=[-1, 0]), key)
+    for field, bad in (("bytes", {"f": "eval", "args": []}), ("backward", 1), ("matmul", "no"), ("count", 0),
+                       ("count", 1.5)):
+        data = json.loads(text)
+        data["allocated"]["none"][0][field] = bad
+        with pytest.raises(ValueError):
+            saved_cache._decode_result(data, key)
+    with pytest.raises(ValueError, match="allocated"):
+        saved_cache._decode_result(dict(json.loads(text), allocated={"full": []}), key)
 
 
 def test_cache_directories_are_created_private(cache, monkeypatch):
