@@ -82,7 +82,7 @@ def with_traced_allocations(cost: ChunkCostModel, model) -> ChunkCostModel:
     allocates the intermediates of every op's derivative and the sums of gradients that
     the captured graph's one-gradient-per-input list leaves out (bench Llama, T = 1024,
     4 chunks op by op: 4.1 GiB of fresh non-matmul tensors a step under the profiler,
-    against 2.4 GiB in that list)."""
+    against 2.3 GiB in that list)."""
     allocations = getattr(model, "allocations", ())
     if not allocations:
         return cost

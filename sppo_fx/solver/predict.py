@@ -55,8 +55,9 @@ def predict_terms(cost: ChunkCostModel, memory: MemoryModel, plan: Plan, *, offl
         reads = [sum(l1[:i]) for i in range(len(lengths))]
     bandwidth = {"disk": profile.disk_write_bytes_per_s, "host": profile.d2h_bytes_per_s}.get(offload, float("inf"))
     cache = (profile.disk_cached_write_bytes_per_s, profile.disk_cache_bytes) if offload == "disk" else None
-    terms = step_terms(with_traced_allocations(cost, memory), lengths, ratios, l2, profile.flops_per_s, profile.n_half, bandwidth,
-                       memory.recompute_fraction, reads, copies_share_compute=device == "cpu", cache=cache,
+    terms = step_terms(with_traced_allocations(cost, memory), lengths, ratios, l2, profile.flops_per_s,
+                       profile.n_half, bandwidth, memory.recompute_fraction, reads,
+                       copies_share_compute=device == "cpu", cache=cache,
                        clock=Clock.of(profile, compiled, tier=offload), tensors=memory.tensors,
                        skeleton_blocks=streamed_block_counts(memory, lengths) if skeleton == "offload" else None,
                        skeleton_passes=skeleton_passes_of(memory.recompute))

@@ -240,9 +240,8 @@ def _encode_result(key: dict, result) -> bytes:
     again = _decode_result(json.loads(text), key)
 
     def exact(r):
-        return ({pol: [tuple((type(v), v) for v in dataclasses.astuple(s)) for s in saved] for pol, saved in r[0].items()},
-                {pol: [tuple((type(v), v) for v in dataclasses.astuple(a)) for a in allocs]
-                 for pol, allocs in r[2].items()})
+        typed = lambda items: [tuple((type(v), v) for v in dataclasses.astuple(x)) for x in items]  # noqa: E731
+        return ({pol: typed(saved) for pol, saved in r[0].items()}, {pol: typed(a) for pol, a in r[2].items()})
     if again is None or exact(again) != exact(result) or again[1] != tuple(example):
         raise _Unstorable("the stored form would read back differently")
     return text.encode()
