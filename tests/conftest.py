@@ -66,6 +66,16 @@ def tiny_model(kind, layers=1):
     return build(kind, "tiny", **WIDE[kind], **{"n_layer" if kind == "gpt" else "n_layers": layers})
 
 
+def tiny_hf_llama():
+    """A 2-layer Hugging Face `LlamaForCausalLM` (vocab 128, hidden 64, 4 heads, 2 K/V
+    heads). transformers is a pinned test dependency (requirements-ci.txt): a missing one
+    fails the test rather than skipping it."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def tiny_program(kind):
     """(model, Captured, ChunkedProgram) of the tiny `kind` model widened so that its saved
     activations pass the offload threshold; built once per session and shared between

@@ -15,7 +15,7 @@ from sppo_fx.passes import transform
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.local import chunked_loss
 
-from conftest import assert_matches_eager
+from conftest import assert_matches_eager, tiny_hf_llama
 
 T = 28
 
@@ -84,16 +84,9 @@ def test_decorator_form():
     assert_matches_eager(model, lambda m: m(x, y), lambda: step(model, x, y))
 
 
-def _hf_llama():
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(cfg)
-
-
 @pytest.mark.parametrize("chunks", [1, 3, 7])
 def test_hugging_face_llama_matches_eager(chunks):
-    model = _hf_llama()
+    model = tiny_hf_llama()
     ids = torch.randint(0, 128, (2, 23))
     labels = ids.clone()
     labels[0, :5] = -100

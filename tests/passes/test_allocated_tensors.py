@@ -7,6 +7,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import sppo_fx
+from conftest import tiny_hf_llama
 from sppo_fx.orchestrate.stage import memory_models
 from sppo_fx.passes.cost.data import c
 from sppo_fx.passes.cost.saved import allocated_tensors
@@ -35,16 +36,9 @@ def test_fresh_outputs_count_views_and_in_place_writes_do_not():
                      (sympy.Integer(256), True, True): 1, (32 * c, True, False): 1}
 
 
-def _hf_llama():
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(cfg)
-
-
 def test_a_hugging_face_llama_backward_allocates_more_than_one_gradient_per_input():
     torch.manual_seed(0)
-    model = _hf_llama()
+    model = tiny_hf_llama()
     ids = torch.randint(0, 128, (1, 64))
     compiled = sppo_fx.compile(model, chunks=2, compile=False)
     compiled(input_ids=ids, labels=ids).backward()  # the compiled model returns the loss
