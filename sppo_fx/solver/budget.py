@@ -23,7 +23,8 @@ import dataclasses
 
 from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.plan import Plan
-from sppo_fx.solver.clock import ELEMENTWISE_BACKWARD, Clock, StepTerms, attention_seconds, overhead_seconds
+from sppo_fx.solver.clock import (ELEMENTWISE_BACKWARD, Clock, StepTerms, attention_seconds, overhead_seconds,
+                                  recompute_allocations)
 from sppo_fx.solver.memory_model import (MemoryModel, chunk_starts, copy_window, predict_peak,
                                          skeleton_passes_of, streamed_block_counts, streamed_skeleton)
 from sppo_fx.solver.partition import ChunkCostModel, balanced_lengths
@@ -119,8 +120,7 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
         # the last chunk's backward runs first: it makes the weight gradients (compiled,
         # the others add into them)
         alloc_fwd, alloc_bwd = clock.allocation_parts(cost, c, weight_grads=i == len(lengths) - 1)
-        again = recompute_fraction if cost.recompute_allocates else 0.0  # a recompute allocates again
-        terms.allocation += alloc_fwd * (1 + again) + alloc_bwd
+        terms.allocation += alloc_fwd * (1 + recompute_allocations(cost, recompute_fraction)) + alloc_bwd
         f += alloc_fwd
         fwd.append(f)
     files = sum(2 * tensors for a in ratios if a > 0)  # written, then read back

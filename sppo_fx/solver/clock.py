@@ -158,10 +158,12 @@ class Clock:
                            forward_only: bool = False) -> float:
         """Seconds a chunk of `tokens` tokens spends allocating its tensors, forward and
         backward (`forward_only`: the forward's), each at the price of its size; a
-        recompute's forward allocates `recompute_fraction` of the forward's again. 0
-        without a price table."""
+        recompute's forward allocates `recompute_fraction` of the forward's again (not where
+        the list is a traced partition's, `recompute_allocations`). 0 without a price table."""
         forward, backward = self.allocation_parts(cost, tokens)
-        return forward if forward_only else forward * (1.0 + recompute_fraction) + backward
+        if forward_only:
+            return forward
+        return forward * (1.0 + recompute_allocations(cost, recompute_fraction)) + backward
 
     def allocation_parts(self, cost, tokens: float, weight_grads: bool = True) -> tuple[float, float]:
         """(forward, backward) seconds of a chunk's allocations (`allocation_seconds`), in
@@ -195,6 +197,13 @@ class Clock:
     def size_factor(self, c: float) -> float:
         """A pair's cost in a chunk of c queries over the per-dim table's (256 queries)."""
         return _by_length(self.attention_size, c)
+
+
+def recompute_allocations(cost, recompute_fraction: float) -> float:
+    """The share of a chunk's forward allocations a recompute policy makes again: its
+    `recompute_fraction` for the captured graph's list, 0 for a traced partition's, whose
+    backward graph holds the recompute (`ChunkCostModel.recompute_allocates`)."""
+    return recompute_fraction if getattr(cost, "recompute_allocates", True) else 0.0
 
 
 def _table(profile, name: str) -> tuple:

@@ -65,6 +65,7 @@ def test_the_step_counts_the_traced_partitions_allocations_where_the_memory_mode
     mine = with_traced_allocations(captured, SimpleNamespace(allocations=traced))
     assert mine.allocations == traced and mine.per_token == captured.per_token
     assert allocation(mine, 0.5) == pytest.approx(6 * MiB * 1e-9)  # the backward has the recompute
+    assert clock.allocation_seconds(mine, 256, recompute_fraction=0.5) == pytest.approx(6 * MiB * 1e-9)
     assert with_traced_allocations(captured, SimpleNamespace(allocations=())) is captured
 
 
