@@ -32,7 +32,7 @@ from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.kv_window import skeleton_bytes, window_prefix
 from sppo_fx.util.skeleton_rows import keeps_no_buffer, window_first
-from sppo_fx.runtime.memory import ChunkMemory, CopyWindow
+from sppo_fx.runtime.memory import ChunkMemory, CopyWindow, adopted_grad
 import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 
 
@@ -136,6 +136,9 @@ class StageRunner:
         self.chunk_fn = chunk_fn if chunk_fn is not None else program.chunk
         # CompiledPrograms' graphs call sppo.* ops that need a ChunkMemory per chunk
         self.memory_graphs = isinstance(self.chunk_fn, CompiledProgram)
+        # AOTAutograd's graphs run op by op: no buffer of theirs is reused after the call
+        self._op_by_op = self.memory_graphs and self.chunk_fn.backend == "eager"
+        self._adopted: set[int] = set()  # parameters whose gradient was taken over (adopted_grad)
         self.needs_grad = needs_grad
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
         self.params = [p.detach().requires_grad_() if i in self.grad_index else p.detach()
@@ -430,6 +433,13 @@ class StageRunner:
                 leaf.grad = grad  # a fresh tensor of the graph's: no copy needed
                 return
         if leaf.grad is None:
+            # op by op, a graph's tensor is its own: the first gradient is taken over without a
+            # copy, as autograd's AccumulateGrad takes it (Inductor may reuse its buffers later)
+            taken = adopted_grad(grad, leaf, [self.params[j].grad for j in self._adopted]) if self._op_by_op else None
+            if taken is not None:
+                leaf.grad = taken
+                self._adopted.add(index)
+                return
             # a copy in the parameter's layout: `grad` may be a view into a graph buffer
             leaf.grad = torch.empty_like(leaf).copy_(grad)
         else:

@@ -34,6 +34,25 @@ from sppo_fx.ops.offload import MatmulGrad
 from sppo_fx.runtime.store.records import StoreError
 
 
+def adopted_grad(grad: torch.Tensor, leaf: torch.Tensor, held) -> torch.Tensor | None:
+    """`grad`'s memory as a parameter's first gradient, without a copy, or None where a copy
+    is needed: `grad` must span its whole storage (no other tensor of the graph's can sit
+    beside it in the same buffer) in the parameter's dtype and layout, and no gradient in
+    `held` (those taken over before) may use that storage already (the same tensor handed
+    for two parameters). The result aliases the storage but is not a view: later additions
+    into `.grad` touch only these bytes, and no `_base` is kept alive through it."""
+    if (grad.dtype != leaf.dtype or grad.device != leaf.device or grad.shape != leaf.shape
+            or grad.stride() != leaf.stride() or grad.storage_offset() != 0 or grad.requires_grad):
+        return None
+    storage = grad.untyped_storage()
+    if storage.nbytes() != grad.numel() * grad.element_size():
+        return None
+    ptr = storage.data_ptr()
+    if any(h is not None and h.untyped_storage().data_ptr() == ptr for h in held):
+        return None
+    return torch.empty(0, dtype=grad.dtype, device=grad.device).set_(storage, 0, grad.shape, grad.stride())
+
+
 class CopyWindow:
     """Bytes of offload copies allowed in flight, shared by the chunks of one executor.
 
