@@ -261,6 +261,16 @@ def _is_transpose_2d(n) -> bool:
             and (n.target is torch.ops.aten.t.default or list(n.args[1]) == [1, 0]))
 
 
+def _under_transposes(g) -> tuple[object, list]:
+    """(the node under a chain of 2-D transposes that starts at g, the chain outermost
+    first); every transpose after the first has one user, the one above it."""
+    chain = []
+    while _is_transpose_2d(g) and (not chain or len(g.users) == 1):
+        chain.append(g)
+        g = g.args[0]
+    return g, chain
+
+
 def fuse_grad_matmul(bw: fx.GraphModule) -> fx.GraphModule:
     """Fold weight-gradient matmuls into their accumulation (after `accumulate_param_grads`).
 
@@ -271,15 +281,15 @@ def fuse_grad_matmul(bw: fx.GraphModule) -> fx.GraphModule:
         sppo.accumulate_grad(gw, i)        ->       at = permute(a, [1, 0])
                                                     sppo.accumulate_grad_mm(bt, at, i)
 
-    only where the matmul's result has no other user. (AOTAutograd's graphs without
-    Inductor's decompositions, run op by op, give the gradient as `t(t(mm(a, b)))`: left
-    unfused on purpose. The op-by-op run without a tier adds gradients as autograd does,
-    `mm` then `add_`, and a tier must not change the arithmetic: docs/architecture.md, S1.
-    Fusing there was measured 10% faster on the bench model and broke that bitwise
-    equality.) A chunk after the first then adds
-    its weight gradients inside the GEMM (`addmm_` with C = `.grad`), instead of writing a
-    gradient-sized buffer and reading it back in a separate add: on a CPU that add is a
-    full pass over the gradients per chunk (about 1% of a 4-chunk step of the bench model).
+    and through any chain of 2-D transposes (`t(t(mm(a, b)))`, as AOTAutograd's graphs
+    without Inductor's decompositions have it: an even count is no transpose), only where
+    the matmul's result and each transpose have no other user. Compiled, a chunk after the
+    first then adds its weight gradients inside the GEMM (`addmm_` with C = `.grad`),
+    instead of writing a gradient-sized buffer and reading it back in a separate add. Op by
+    op, the runtime adds them as autograd does, `mm` then `add_`, with the product in one
+    buffer reused for every chunk (`runtime.memory.ProductBuffer`): a tier must not change
+    the arithmetic of the op-by-op run without one (docs/architecture.md, S1), and no
+    chunk allocates a gradient-sized tensor but the first.
 
     Args:
         bw: the backward graph (changed in place).
@@ -290,8 +300,8 @@ def fuse_grad_matmul(bw: fx.GraphModule) -> fx.GraphModule:
     aten = torch.ops.aten
     for acc in [n for n in bw.graph.nodes if n.target is torch.ops.sppo.accumulate_grad.default]:
         g, index = acc.args
-        transposed = _is_transpose_2d(g)
-        mm = g.args[0] if transposed else g
+        mm, chain = _under_transposes(g)
+        transposed = len(chain) % 2 == 1
         if not (isinstance(mm, fx.Node) and mm.target is aten.mm.default and len(mm.users) == 1
                 and len(g.users) == 1):
             continue
@@ -306,8 +316,8 @@ def fuse_grad_matmul(bw: fx.GraphModule) -> fx.GraphModule:
             fused = bw.graph.call_function(torch.ops.sppo.accumulate_grad_mm.default, (a, b, index))
         fused.meta.update({k: v for k, v in acc.meta.items() if k != "val"})
         bw.graph.erase_node(acc)
-        if transposed:
-            bw.graph.erase_node(g)
+        for t in chain:  # outermost first: each is unused once the one above it is gone
+            bw.graph.erase_node(t)
         bw.graph.erase_node(mm)
     bw.graph.lint()
     bw.recompile()

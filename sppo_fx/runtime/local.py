@@ -32,7 +32,7 @@ from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.kv_window import skeleton_bytes, window_prefix
 from sppo_fx.util.skeleton_rows import keeps_no_buffer, window_first
-from sppo_fx.runtime.memory import ChunkMemory, CopyWindow, adopted_grad
+from sppo_fx.runtime.memory import ChunkMemory, CopyWindow, ProductBuffer, adopted_grad
 import sppo_fx.ops.skeleton  # noqa: F401  (registers the sppo.kv_out / prefix_attention ops)
 
 
@@ -139,6 +139,7 @@ class StageRunner:
         # AOTAutograd's graphs run op by op: no buffer of theirs is reused after the call
         self._op_by_op = self.memory_graphs and self.chunk_fn.backend == "eager"
         self._adopted: set[int] = set()  # parameters whose gradient was taken over (adopted_grad)
+        self._products = ProductBuffer()  # op by op: weight-gradient products before their add
         self.needs_grad = needs_grad
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
         self.params = [p.detach().requires_grad_() if i in self.grad_index else p.detach()
@@ -417,6 +418,7 @@ class StageRunner:
             del self.microbatches[mb]
             if self.store is not None:
                 self.store.trim_read_buffers()  # nothing is read until the next forward
+            self._products.release()
         return recv_grads
 
     def _accumulate_grad(self, index: int, grad) -> None:
@@ -426,7 +428,10 @@ class StageRunner:
         leaf = self.params[index]
         if isinstance(grad, MatmulGrad):
             if leaf.grad is not None:
-                leaf.grad.addmm_(grad.a, grad.b)
+                if self._op_by_op:  # autograd's sum: the product, then add_ (S1)
+                    leaf.grad.add_(self._products.mm(grad.a, grad.b))
+                else:
+                    leaf.grad.addmm_(grad.a, grad.b)
                 return
             grad = grad.materialize()
             if grad.stride() == leaf.stride():

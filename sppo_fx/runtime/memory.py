@@ -53,6 +53,28 @@ def adopted_grad(grad: torch.Tensor, leaf: torch.Tensor, held) -> torch.Tensor |
     return torch.empty(0, dtype=grad.dtype, device=grad.device).set_(storage, 0, grad.shape, grad.stride())
 
 
+class ProductBuffer:
+    """One buffer that op-by-op programs' weight-gradient products (`MatmulGrad`) are
+    written into before they are added to `.grad`: `mm` then `add_`, autograd's arithmetic,
+    without a gradient-sized allocation per chunk (page faults on a CPU). It grows to the
+    largest product and is given back at the end of each backward (`release`)."""
+
+    def __init__(self):
+        self.storage: torch.UntypedStorage | None = None
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """`a @ b` (2-D), written into the buffer: valid until the next call."""
+        shape = (a.shape[0], b.shape[1])
+        nbytes = shape[0] * shape[1] * a.element_size()
+        if self.storage is None or self.storage.nbytes() < nbytes or self.storage.device != a.device:
+            self.storage = torch.UntypedStorage(nbytes, device=a.device)
+        out = torch.empty(0, dtype=a.dtype, device=a.device).set_(self.storage, 0, shape, (shape[1], 1))
+        return torch.mm(a, b, out=out)
+
+    def release(self) -> None:
+        self.storage = None
+
+
 class CopyWindow:
     """Bytes of offload copies allowed in flight, shared by the chunks of one executor.
 

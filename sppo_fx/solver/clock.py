@@ -95,10 +95,15 @@ class Clock:
             cache (0: not charged); cache_bytes: the cache weights must exceed for it.
         allocation_by_size: ((bytes, seconds per byte), ...): the price of allocating a
             fresh tensor of that size (() : the allocation term left out).
-        op_by_op: the chunk programs run op by op (every op allocates its output, and
-            every chunk its weight gradients), else compiled (only the matmuls' outputs and
-            gradients are charged, a weight gradient once a step: later chunks add theirs
-            inside the GEMM, `passes.offload.fuse_grad_matmul`).
+        op_by_op: the chunk programs run op by op (every op allocates its output), else
+            compiled (only the matmuls' outputs and gradients are charged).
+        weight_grads_every_chunk: every chunk allocates its weight gradients: op by op
+            without a tier, where autograd runs the plain chunk program (`mm`, then `add_`
+            into `.grad`). Else a weight gradient is allocated once a step, by the
+            backward's first chunk: the memory passes' graphs (compiled, or op by op with a
+            tier) fold the later chunks' into their accumulation
+            (`passes.offload.fuse_grad_matmul`: inside the GEMM compiled, through one
+            reused product buffer op by op).
     """
 
     op_seconds: float = 0.0
@@ -116,6 +121,7 @@ class Clock:
     cache_bytes: int = 0
     allocation_by_size: tuple = ()
     op_by_op: bool = False
+    weight_grads_every_chunk: bool = False
 
     @classmethod
     def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
@@ -132,7 +138,8 @@ class Clock:
                    _table(profile, "attention_by_dim"), _table(profile, "attention_square"),
                    _table(profile, "attention_size"),
                    get("elementwise_bytes_per_s"), get("skeleton_read_seconds"), get("weight_read_seconds"),
-                   int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled)
+                   int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled,
+                   not compiled and tier is None)
 
     def weight_seconds(self, cost, recompute_fraction: float = 0.0) -> float:
         """Seconds one chunk spends reading the model's weights from memory: its forward,
@@ -168,11 +175,12 @@ class Clock:
     def allocation_parts(self, cost, tokens: float, weight_grads: bool = True) -> tuple[float, float]:
         """(forward, backward) seconds of a chunk's allocations (`allocation_seconds`), in
         one pass over them; without the matmuls' weight gradients (fixed-size backward
-        allocations) where `weight_grads` is False and the programs are compiled."""
+        allocations) where `weight_grads` is False, unless every chunk allocates its own
+        (`weight_grads_every_chunk`)."""
         if not self.allocation_by_size:
             return 0.0, 0.0
         parts = [0.0, 0.0]
-        skip_weights = not (self.op_by_op or weight_grads)
+        skip_weights = not (self.weight_grads_every_chunk or weight_grads)
         for a in getattr(cost, "allocations", ()):
             if skip_weights and a.backward and a.matmul and not a.per_token:
                 continue

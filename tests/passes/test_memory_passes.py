@@ -314,23 +314,56 @@ def test_parameter_gradients_accumulate_inside_the_backward_graph():
     assert sorted(n.args[2] for n in fused) == [0, 1]
 
 
-def _grad_graph(transposed: bool, extra_user: bool = False) -> fx.GraphModule:
-    """A hand-built backward tail: gw = mm(a, b) (or its transpose) into accumulate_grad."""
+def test_weight_gradients_fold_into_their_accumulation_op_by_op():
+    """Without Inductor (op by op; chunk 0's program) every linear weight's gradient is
+    folded too: AOTAutograd's graphs give it as t(t(mm(...))), which fuse_grad_matmul looks
+    through (the runtime then adds the product into `.grad` as autograd does, from one
+    reused buffer). Exact against eager."""
+    model, x, y = _llama(layers=1)
+    ref, ref_grads = _eager_reference(model, x, y)
+    from sppo_fx.capture import capture
+    from sppo_fx.passes import transform
+    cap = capture(model, None, None, (x, y), {}, None, 1)
+    _, program = transform(cap)
+    params = [cap.param_value(n) for n in program.params]
+    chunk_fn = compile_chunk_program(program.chunk, backend="eager", offload=False, recompute="cheap")
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        loss = chunked_loss(program, params, [x, y], Plan(256, [96, 80, 80]), chunk_fn)
+        loss.backward()
+    _assert_matches(model, loss, ref, ref_grads)
+    linears = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    for record in chunk_fn.partitions:
+        nodes = list(record.backward.graph.nodes)
+        fused = [n for n in nodes if n.target is torch.ops.sppo.accumulate_grad_mm.default]
+        assert len(fused) == linears, record.backward.code
+
+
+def _grad_graph(transposes: int, extra_user: bool = False) -> fx.GraphModule:
+    """A hand-built backward tail: gw = mm(a, b) under `transposes` 2-D transposes (permute
+    [1, 0], then t, alternating) into accumulate_grad."""
     g = fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
     a.meta["val"], b.meta["val"] = torch.empty(3, 5), torch.empty(5, 4)
     mm = g.call_function(torch.ops.aten.mm.default, (a, b))
-    gw = g.call_function(torch.ops.aten.permute.default, (mm, [1, 0])) if transposed else mm
+    gw = mm
+    for k in range(transposes):
+        gw = (g.call_function(torch.ops.aten.permute.default, (gw, [1, 0])) if k % 2 == 0
+              else g.call_function(torch.ops.aten.t.default, (gw,)))
     g.call_function(torch.ops.sppo.accumulate_grad.default, (gw, 7))
     g.output((mm,) if extra_user else (None,))
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_fuse_grad_matmul_folds_the_matmul_into_the_accumulation(transposed):
-    gm = fuse_grad_matmul(_grad_graph(transposed))
+@pytest.mark.parametrize("transposes", [0, 1, 2, 3])
+def test_fuse_grad_matmul_folds_the_matmul_into_the_accumulation(transposes):
+    """Also under a chain of transposes: AOTAutograd's graphs without Inductor (op by op,
+    and chunk 0's program) give a linear layer's weight gradient as t(t(mm(...)))."""
+    transposed = transposes % 2 == 1
+    gm = fuse_grad_matmul(_grad_graph(transposes))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.mm.default not in targets and torch.ops.sppo.accumulate_grad.default not in targets
+    # what is left: the operands' transposes of an odd chain, nothing of an even one
+    assert len(targets) == (3 if transposed else 1)
     fused = next(n for n in gm.graph.nodes if n.target is torch.ops.sppo.accumulate_grad_mm.default)
     assert fused.args[2] == 7
     a, b = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
@@ -347,18 +380,24 @@ def test_fuse_grad_matmul_folds_the_matmul_into_the_accumulation(transposed):
 
 
 def test_fuse_grad_matmul_leaves_a_matmul_with_other_users():
-    gm = fuse_grad_matmul(_grad_graph(False, extra_user=True))
+    gm = fuse_grad_matmul(_grad_graph(0, extra_user=True))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets == [torch.ops.aten.mm.default, torch.ops.sppo.accumulate_grad.default]
 
 
-def test_executor_adds_a_matmul_gradient_with_addmm():
-    """StageRunner's sink: the first MatmulGrad becomes .grad, later ones add into it."""
+def _sink_only_runner(leaf, op_by_op: bool):
     from sppo_fx.runtime.local import StageRunner
+    from sppo_fx.runtime.memory import ProductBuffer
+    runner = StageRunner.__new__(StageRunner)  # only the sink's state is needed
+    runner.params, runner._op_by_op, runner._adopted, runner._products = [leaf], op_by_op, set(), ProductBuffer()
+    return runner
+
+
+def test_executor_adds_a_matmul_gradient_with_addmm():
+    """StageRunner's sink, compiled: the first MatmulGrad becomes .grad, later ones add into it."""
     a, b = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
     leaf = torch.zeros(4, 3, dtype=torch.float64, requires_grad=True)
-    runner = StageRunner.__new__(StageRunner)  # only the sink's state is needed
-    runner.params = [leaf]
+    runner = _sink_only_runner(leaf, op_by_op=False)
     runner._accumulate_grad(0, MatmulGrad(a, b))
     first = leaf.grad
     assert torch.equal(first, a @ b)
@@ -367,6 +406,28 @@ def test_executor_adds_a_matmul_gradient_with_addmm():
     assert torch.allclose(leaf.grad, 3 * (a @ b))
     runner._accumulate_grad(0, a @ b)  # a plain gradient still adds
     assert torch.allclose(leaf.grad, 4 * (a @ b))
+    assert runner._products.storage is None  # compiled: added inside the GEMM
+
+
+def test_executor_op_by_op_adds_a_matmul_gradient_as_autograd_does():
+    """Op by op: the product, then add_ (autograd's arithmetic, bit for bit), the product
+    in one reused buffer rather than a fresh tensor per chunk."""
+    a, b, c = (torch.randn(*s) for s in ((64, 48), (48, 32), (48, 32)))
+    leaf = torch.zeros(64, 32, requires_grad=True)
+    runner = _sink_only_runner(leaf, op_by_op=True)
+    runner._accumulate_grad(0, MatmulGrad(a, b))
+    first = leaf.grad
+    runner._accumulate_grad(0, MatmulGrad(a, c))
+    assert leaf.grad is first
+    expected = torch.mm(a, b)
+    expected += torch.mm(a, c)  # autograd's AccumulateGrad: grad += new
+    assert torch.equal(leaf.grad, expected)
+    buffer = runner._products.storage
+    assert buffer is not None and buffer.nbytes() == 64 * 32 * 4
+    runner._accumulate_grad(0, MatmulGrad(a, b))
+    assert runner._products.storage is buffer  # reused, not allocated again
+    runner._products.release()
+    assert runner._products.storage is None
 
 
 @pytest.mark.parametrize("policy", ["cheap", "full"])

@@ -48,8 +48,9 @@ def test_op_by_op_steps_take_gradients_over_and_match_the_copying_step(tmp_path,
     monkeypatch.setattr(local, "adopted_grad", recording)
     compiled(input_ids=ids, labels=ids).backward()
     adopted = {n: p.grad.clone() for n, p in model.named_parameters()}
-    # the matmul weights' gradients at least (AOTAutograd's t(t(mm))): 7 per layer
-    assert sum(taken) >= 14, taken
+    # the norms' and the embedding's gradients (2 layers x 2 norms, the last norm, the
+    # embedding); the matmul weights' come as products (`MatmulGrad`), fresh already
+    assert sum(taken) >= 6, taken
     model.zero_grad(set_to_none=True)
     monkeypatch.setattr(local, "adopted_grad", lambda grad, leaf, held: None)  # always copy
     compiled(input_ids=ids, labels=ids).backward()

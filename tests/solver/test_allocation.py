@@ -85,9 +85,10 @@ def test_the_step_has_an_allocation_term_and_the_profile_carries_its_table():
 
 
 def test_weight_gradients_are_allocated_once_a_step_where_the_gemm_adds_them():
-    """Compiled programs add a chunk's weight gradients inside the GEMM (`fuse_grad_matmul`):
-    only the backward's first chunk (the last one) allocates them. Op-by-op programs, with a
-    tier or without, allocate them in every chunk."""
+    """The memory passes' programs fold a chunk's weight gradients into their accumulation
+    (`fuse_grad_matmul`: inside the GEMM compiled, through one reused product buffer op by
+    op with a tier): only the backward's first chunk (the last one) allocates them. Op by
+    op without a tier, autograd's plain chunk program allocates them in every chunk."""
     prof = DeviceProfile("x", 1e11, 1e9, 1e9, 1e8, 1e8, 1 << 30, n_half=0.0, allocation_by_size=TABLE)
     weight = Allocation(per_token=0.0, fixed=4 * MiB, backward=True, matmul=True)
     cost = ChunkCostModel(1e7, 1e3, allocations=(weight, Allocation(per_token=4 * KiB, backward=True, matmul=True)))
@@ -96,9 +97,12 @@ def test_weight_gradients_are_allocated_once_a_step_where_the_gemm_adds_them():
     compiled = Clock.of(prof, compiled=True)
     assert not compiled.op_by_op
     assert step_terms(*args, clock=compiled).allocation == pytest.approx(activations + 4 * MiB * 1e-9)
-    for tier in ("disk", None):
+    for tier in ("disk", "host"):
         op_by_op = Clock.of(prof, compiled=False, tier=tier)
-        assert step_terms(*args, clock=op_by_op).allocation == pytest.approx(activations + 4 * 4 * MiB * 1e-9)
+        assert op_by_op.op_by_op and not op_by_op.weight_grads_every_chunk
+        assert step_terms(*args, clock=op_by_op).allocation == pytest.approx(activations + 4 * MiB * 1e-9)
+    plain = Clock.of(prof, compiled=False, tier=None)
+    assert step_terms(*args, clock=plain).allocation == pytest.approx(activations + 4 * 4 * MiB * 1e-9)
 
 
 def test_the_price_of_large_blocks_flips_few_chunks_to_many():
