@@ -214,6 +214,32 @@ def insert_offload_nodes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs
     return fw, bw, slots
 
 
+def _aliases_input(n) -> bool:
+    """Whether node n's result may share memory with its first argument (a view op: its
+    schema's return carries alias information)."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    return bool(schema is not None and n.args and isinstance(n.args[0], fx.Node)
+                and any(r.alias_info is not None for r in schema.returns))
+
+
+def _shares_callers_memory(g, returned: set) -> bool:
+    """Whether gradient node g may share memory with a tensor its graph's caller holds: a
+    graph input (a tangent, a saved activation the runtime may recycle) or a tensor the
+    graph returns, through any chain of views."""
+    base = g
+    while _aliases_input(base):
+        base = base.args[0]
+    if base.op == "placeholder":
+        return True
+    views, todo = {base}, [base]
+    while todo:
+        for user in todo.pop().users:
+            if user not in views and _aliases_input(user) and user.args[0] in views:
+                views.add(user)
+                todo.append(user)
+    return bool(views & returned)
+
+
 def accumulate_param_grads(bw: fx.GraphModule, grad_index: dict[int, int]) -> fx.GraphModule:
     """Accumulate parameter gradients inside the backward graph as they are produced.
 
@@ -224,7 +250,9 @@ def accumulate_param_grads(bw: fx.GraphModule, grad_index: dict[int, int]) -> fx
 
     AOTAutograd's backward returns every gradient at its end; autograd then adds them to
     `.grad` one by one. For a chunk after the first that means two full sets of parameter
-    gradients at once; accumulating in the graph frees each one right after its add.
+    gradients at once; accumulating in the graph frees each one right after its add. A
+    gradient that may share memory with a graph input or a returned tensor is cloned first
+    (`_shares_callers_memory`): op by op the runtime takes a gradient over as `.grad`.
 
     Args:
         bw: the backward graph (changed in place).
@@ -235,19 +263,32 @@ def accumulate_param_grads(bw: fx.GraphModule, grad_index: dict[int, int]) -> fx
     """
     out = next(n for n in bw.graph.nodes if n.op == "output")
     outs = list(out.args[0])
+    for k in grad_index:
+        if k < len(outs):
+            outs[k] = None
+    returned = {n for n in outs if isinstance(n, fx.Node)}  # what the graph still returns
     for k, i in grad_index.items():
-        g = outs[k] if k < len(outs) else None
+        g = out.args[0][k] if k < len(out.args[0]) else None
         if not isinstance(g, fx.Node):
             continue
         with bw.graph.inserting_before(out):
+            if _shares_callers_memory(g, returned):
+                # the runtime may take a gradient over as `.grad` and add into it later
+                # (runtime.memory.adopted_grad): never memory its caller holds
+                clone = bw.graph.call_function(torch.ops.aten.clone.default, (g,))
+                if "val" in g.meta:
+                    clone.meta["val"] = g.meta["val"].clone()
+                g = clone
             bw.graph.call_function(torch.ops.sppo.accumulate_grad.default, (g, i))
-        outs[k] = None
     out.args = (tuple(outs),)
     # Each add right after its gradient is produced (after the last producer, when the
-    # output is a view of another gradient node).
+    # output is a view of another gradient node), a clone between them.
     for n in [n for n in bw.graph.nodes if n.target is torch.ops.sppo.accumulate_grad.default]:
-        if n.args[0].op != "placeholder":
-            n.args[0].append(n)
+        g = n.args[0]
+        if g.target is torch.ops.aten.clone.default and g.args[0].op != "placeholder":
+            g.args[0].append(g)
+        if g.op != "placeholder":
+            g.append(n)
     bw.graph.lint()
     bw.recompile()
     return bw

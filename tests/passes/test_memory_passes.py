@@ -16,7 +16,7 @@ import sppo_fx
 from sppo_fx.codegen import compile_chunk_program
 from sppo_fx.models import build
 from sppo_fx.ops.offload import MatmulGrad, active_memory
-from sppo_fx.passes.offload import fuse_grad_matmul, memory_partitioner
+from sppo_fx.passes.offload import accumulate_param_grads, fuse_grad_matmul, memory_partitioner
 from sppo_fx.plan import Plan
 from sppo_fx.runtime.local import StageRunner, chunked_loss
 from sppo_fx.runtime.memory import ChunkMemory
@@ -383,6 +383,41 @@ def test_fuse_grad_matmul_leaves_a_matmul_with_other_users():
     gm = fuse_grad_matmul(_grad_graph(0, extra_user=True))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets == [torch.ops.aten.mm.default, torch.ops.sppo.accumulate_grad.default]
+
+
+def _param_grad_graph(kind: str) -> fx.GraphModule:
+    """A backward graph whose output 0 is parameter 0's gradient: `kind` "tangent" (the
+    tangent itself), "view of tangent" (its transpose), "returned" (a transpose of a matmul
+    the graph also returns), "fresh" (t(t(mm)), nothing else)."""
+    g = fx.Graph()
+    a, b, tangent = g.placeholder("a"), g.placeholder("b"), g.placeholder("tangent")
+    aten = torch.ops.aten
+    mm = g.call_function(aten.mm.default, (a, b))
+    extra = None
+    if kind == "tangent":
+        grad = tangent
+    elif kind == "view of tangent":
+        grad = g.call_function(aten.t.default, (tangent,))
+    elif kind == "returned":
+        grad, extra = g.call_function(aten.t.default, (mm,)), mm
+    else:
+        grad = g.call_function(aten.t.default, (g.call_function(aten.t.default, (mm,)),))
+    g.output((grad, extra))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("kind,cloned", [("tangent", True), ("view of tangent", True), ("returned", True),
+                                         ("fresh", False)])
+def test_a_gradient_sharing_its_callers_memory_is_cloned_before_its_accumulation(kind, cloned):
+    """Op by op the runtime takes a parameter's first gradient over as `.grad` and adds the
+    next chunks' into it (`runtime.memory.adopted_grad`): a graph input (a tangent, a saved
+    tensor a read buffer may be recycled into) or memory the graph returns must reach it as
+    a copy, or that add would write into its caller's tensor."""
+    gm = accumulate_param_grads(_param_grad_graph(kind), {0: 0})
+    acc = next(n for n in gm.graph.nodes if n.target is torch.ops.sppo.accumulate_grad.default)
+    assert (acc.args[0].target is torch.ops.aten.clone.default) == cloned, gm.code
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert out.args[0][0] is None  # the gradient left the outputs
 
 
 def _sink_only_runner(leaf, op_by_op: bool):
