@@ -214,30 +214,29 @@ def insert_offload_nodes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs
     return fw, bw, slots
 
 
-def _aliases_input(n) -> bool:
-    """Whether node n's result may share memory with its first argument (a view op: its
-    schema's return carries alias information)."""
-    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-    return bool(schema is not None and n.args and isinstance(n.args[0], fx.Node)
-                and any(r.alias_info is not None for r in schema.returns))
+#: ops that return their input's memory without saying so in their schema
+_UNANNOTATED_VIEWS = (torch.ops.aten._unsafe_view.default,)
+
+
+def _storage_owner(n):
+    """The node owning the storage node n's result may share (`aliasing.alias_base`, also
+    through `_unsafe_view`)."""
+    while True:
+        n = _alias_base(n)
+        if not (n.op == "call_function" and n.target in _UNANNOTATED_VIEWS and isinstance(n.args[0], fx.Node)):
+            return n
+        n = n.args[0]
 
 
 def _shares_callers_memory(g, returned: set) -> bool:
     """Whether gradient node g may share memory with a tensor its graph's caller holds: a
-    graph input (a tangent, a saved activation the runtime may recycle) or a tensor the
-    graph returns, through any chain of views."""
-    base = g
-    while _aliases_input(base):
-        base = base.args[0]
-    if base.op == "placeholder":
+    graph input (a tangent, a saved activation the runtime may recycle), what an `sppo` op
+    hands over (a read-back buffer), or a tensor the graph returns, through any chain of
+    views."""
+    base = _storage_owner(g)
+    if base.op == "placeholder" or getattr(base.target, "namespace", None) == "sppo":
         return True
-    views, todo = {base}, [base]
-    while todo:
-        for user in todo.pop().users:
-            if user not in views and _aliases_input(user) and user.args[0] in views:
-                views.add(user)
-                todo.append(user)
-    return bool(views & returned)
+    return any(_storage_owner(r) is base for r in returned)
 
 
 def accumulate_param_grads(bw: fx.GraphModule, grad_index: dict[int, int]) -> fx.GraphModule:

@@ -98,7 +98,8 @@ class Clock:
         op_by_op: the chunk programs run op by op (every op allocates its output), else
             compiled (only the matmuls' outputs and gradients are charged).
         weight_grads_every_chunk: every chunk allocates its weight gradients: op by op
-            without a tier, where autograd runs the plain chunk program (`mm`, then `add_`
+            without a tier or a recompute policy, where autograd runs the plain chunk
+            program (`mm`, then `add_`
             into `.grad`). Else a weight gradient is allocated once a step, by the
             backward's first chunk: the memory passes' graphs (compiled, or op by op with a
             tier) fold the later chunks' into their accumulation
@@ -124,12 +125,15 @@ class Clock:
     weight_grads_every_chunk: bool = False
 
     @classmethod
-    def of(cls, profile, compiled: bool = True, tier: str | None = "disk") -> "Clock":
+    def of(cls, profile, compiled: bool = True, tier: str | None = "disk", recompute: str = "none") -> "Clock":
         """The clock of a `DeviceProfile` (fields it lacks count zero) for chunk programs
         run `compiled` or op by op, offloading to `tier` (files only on "disk"). Op by op
         with a tier, the programs are the memory passes' graphs: an op costs the profile's
         `pass_op_seconds` where it has one (a recompute policy without a tier runs them too,
-        and is charged the plain programs' figure)."""
+        and is charged the plain programs' figure). Weight gradients are allocated in every
+        chunk only by autograd's plain chunk program: op by op, without a tier, `recompute`
+        "none" (the solver's clock of a tierless run, one for all its policies, charges them
+        so)."""
         get = lambda name, default=0.0: float(getattr(profile, name, default) or default)  # noqa: E731
         op = get("pass_op_seconds") if not compiled and tier is not None else 0.0
         return cls(op or get("op_seconds"), get("file_seconds") if tier == "disk" else 0.0, get("attention_pair_seconds"),
@@ -139,7 +143,7 @@ class Clock:
                    _table(profile, "attention_size"),
                    get("elementwise_bytes_per_s"), get("skeleton_read_seconds"), get("weight_read_seconds"),
                    int(get("cache_bytes")), _table(profile, "allocation_by_size"), not compiled,
-                   not compiled and tier is None)
+                   not compiled and tier is None and recompute == "none")
 
     def weight_seconds(self, cost, recompute_fraction: float = 0.0) -> float:
         """Seconds one chunk spends reading the model's weights from memory: its forward,

@@ -3,6 +3,7 @@ forward and backward graphs (sppo_fx.passes.offload), the ops they call
 (sppo_fx.ops.offload) and the per-chunk runtime state (sppo_fx.runtime.memory)."""
 from __future__ import annotations
 
+import operator
 import os
 from unittest import mock
 
@@ -398,6 +399,13 @@ def _param_grad_graph(kind: str) -> fx.GraphModule:
         grad = tangent
     elif kind == "view of tangent":
         grad = g.call_function(aten.t.default, (tangent,))
+    elif kind == "unsafe view of tangent":
+        grad = g.call_function(aten._unsafe_view.default, (tangent, [4, 3]))
+    elif kind == "piece of a split tangent":
+        grad = g.call_function(operator.getitem, (g.call_function(aten.split.Tensor, (tangent, 2)), 0))
+    elif kind == "read back":  # a saved tensor's read-back buffer (the store may recycle it)
+        import sppo_fx.ops.offload  # noqa: F401 - registers torch.ops.sppo.*
+        grad = g.call_function(torch.ops.sppo.wait.default, (tangent, 0, [0, 1]))
     elif kind == "returned":
         grad, extra = g.call_function(aten.t.default, (mm,)), mm
     else:
@@ -407,7 +415,8 @@ def _param_grad_graph(kind: str) -> fx.GraphModule:
 
 
 @pytest.mark.parametrize("kind,cloned", [("tangent", True), ("view of tangent", True), ("returned", True),
-                                         ("fresh", False)])
+                                         ("unsafe view of tangent", True), ("piece of a split tangent", True),
+                                         ("read back", True), ("fresh", False)])
 def test_a_gradient_sharing_its_callers_memory_is_cloned_before_its_accumulation(kind, cloned):
     """Op by op the runtime takes a parameter's first gradient over as `.grad` and adds the
     next chunks' into it (`runtime.memory.adopted_grad`): a graph input (a tangent, a saved

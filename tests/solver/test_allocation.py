@@ -103,6 +103,9 @@ def test_weight_gradients_are_allocated_once_a_step_where_the_gemm_adds_them():
         assert step_terms(*args, clock=op_by_op).allocation == pytest.approx(activations + 4 * MiB * 1e-9)
     plain = Clock.of(prof, compiled=False, tier=None)
     assert step_terms(*args, clock=plain).allocation == pytest.approx(activations + 4 * 4 * MiB * 1e-9)
+    # a recompute policy without a tier runs the memory passes' graphs: once a step again
+    recomputed = Clock.of(prof, compiled=False, tier=None, recompute="full")
+    assert step_terms(*args, clock=recomputed).allocation == pytest.approx(activations + 4 * MiB * 1e-9)
 
 
 def test_the_price_of_large_blocks_flips_few_chunks_to_many():
