@@ -437,6 +437,10 @@ class StageRunner:
             if grad.stride() == leaf.stride():
                 leaf.grad = grad  # a fresh tensor of the graph's: no copy needed
                 return
+        if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True))
+            # as autograd's AccumulateGrad: a copy of the first, then sums out of place
+            leaf.grad = grad.clone() if leaf.grad is None else leaf.grad + grad
+            return
         if leaf.grad is None:
             # op by op, a graph's tensor is its own: the first gradient is taken over without a
             # copy, as autograd's AccumulateGrad takes it (Inductor may reuse its buffers later)

@@ -56,3 +56,22 @@ def test_op_by_op_steps_take_gradients_over_and_match_the_copying_step(tmp_path,
     compiled(input_ids=ids, labels=ids).backward()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, adopted[name]), name  # taking over changes no value
+
+
+def test_a_sparse_embedding_gradient_accumulates_as_autograd_does(tmp_path):
+    """nn.Embedding(sparse=True) hands its gradient over as a sparse tensor: copied once,
+    then summed out of place (autograd's AccumulateGrad), never copied into dense memory."""
+    from sppo_fx.models import build
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    model.tok_embeddings.sparse = True
+    x, y = torch.randint(0, 97, (1, 256)), torch.randint(0, 97, (1, 256))
+    model(x, y).backward()
+    ref = {n: p.grad.to_dense().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    compiled = sppo_fx.compile(model, chunks=4, compile=False, offload="disk", offload_dir=str(tmp_path))
+    compiled(x, y).backward()
+    assert model.tok_embeddings.weight.grad.layout == torch.sparse_coo
+    for name, p in model.named_parameters():
+        if name in ref:
+            torch.testing.assert_close(p.grad.to_dense(), ref[name], rtol=1e-4, atol=1e-5, msg=name)
