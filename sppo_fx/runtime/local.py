@@ -138,7 +138,7 @@ class StageRunner:
         self.memory_graphs = isinstance(self.chunk_fn, CompiledProgram)
         # AOTAutograd's graphs run op by op: no buffer of theirs is reused after the call
         self._op_by_op = self.memory_graphs and self.chunk_fn.backend == "eager"
-        self._adopted: set[int] = set()  # parameters whose gradient was taken over (adopted_grad)
+        self._adopted: dict[int, int] = {}  # storage address -> parameter whose gradient took it over
         self._products = ProductBuffer()  # op by op: weight-gradient products before their add
         self.needs_grad = needs_grad
         self.grad_index = [i for i, p in enumerate(params) if p.requires_grad and needs_grad]
@@ -444,10 +444,13 @@ class StageRunner:
         if leaf.grad is None:
             # op by op, a graph's tensor is its own: the first gradient is taken over without a
             # copy, as autograd's AccumulateGrad takes it (Inductor may reuse its buffers later)
-            taken = adopted_grad(grad, leaf, [self.params[j].grad for j in self._adopted]) if self._op_by_op else None
+            taken = None
+            if self._op_by_op:
+                earlier = self._adopted.get(grad.untyped_storage().data_ptr())  # the same tensor, taken before
+                taken = adopted_grad(grad, leaf, [] if earlier is None else [self.params[earlier].grad])
             if taken is not None:
                 leaf.grad = taken
-                self._adopted.add(index)
+                self._adopted[taken.untyped_storage().data_ptr()] = index
                 return
             # a copy in the parameter's layout: `grad` may be a view into a graph buffer
             leaf.grad = torch.empty_like(leaf).copy_(grad)

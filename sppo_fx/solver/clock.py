@@ -99,12 +99,11 @@ class Clock:
             compiled (only the matmuls' outputs and gradients are charged).
         weight_grads_every_chunk: every chunk allocates its weight gradients: op by op
             without a tier or a recompute policy, where autograd runs the plain chunk
-            program (`mm`, then `add_`
-            into `.grad`). Else a weight gradient is allocated once a step, by the
-            backward's first chunk: the memory passes' graphs (compiled, or op by op with a
-            tier) fold the later chunks' into their accumulation
-            (`passes.offload.fuse_grad_matmul`: inside the GEMM compiled, through one
-            reused product buffer op by op).
+            program (`mm`, then `add_` into `.grad`). Else a weight gradient is allocated
+            once a step, by the backward's first chunk: the memory passes' graphs
+            (compiled, or op by op with a tier) fold the later chunks' into their
+            accumulation (`passes.offload.fuse_grad_matmul`: inside the GEMM compiled,
+            through one reused product buffer op by op).
     """
 
     op_seconds: float = 0.0
@@ -125,7 +124,8 @@ class Clock:
     weight_grads_every_chunk: bool = False
 
     @classmethod
-    def of(cls, profile, compiled: bool = True, tier: str | None = "disk", recompute: str = "none") -> "Clock":
+    def of(cls, profile, compiled: bool = True, tier: str | None = "disk",
+           recompute: str = "none") -> "Clock":
         """The clock of a `DeviceProfile` (fields it lacks count zero) for chunk programs
         run `compiled` or op by op, offloading to `tier` (files only on "disk"). Op by op
         with a tier, the programs are the memory passes' graphs: an op costs the profile's

@@ -58,7 +58,8 @@ def predict_terms(cost: ChunkCostModel, memory: MemoryModel, plan: Plan, *, offl
     terms = step_terms(with_traced_allocations(cost, memory), lengths, ratios, l2, profile.flops_per_s,
                        profile.n_half, bandwidth, memory.recompute_fraction, reads,
                        copies_share_compute=device == "cpu", cache=cache,
-                       clock=Clock.of(profile, compiled, tier=offload, recompute=memory.recompute), tensors=memory.tensors,
+                       clock=Clock.of(profile, compiled, tier=offload, recompute=memory.recompute),
+                       tensors=memory.tensors,
                        skeleton_blocks=streamed_block_counts(memory, lengths) if skeleton == "offload" else None,
                        skeleton_passes=skeleton_passes_of(memory.recompute))
     return int(peak), float(terms.total), terms

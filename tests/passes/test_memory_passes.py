@@ -433,7 +433,7 @@ def _sink_only_runner(leaf, op_by_op: bool):
     from sppo_fx.runtime.local import StageRunner
     from sppo_fx.runtime.memory import ProductBuffer
     runner = StageRunner.__new__(StageRunner)  # only the sink's state is needed
-    runner.params, runner._op_by_op, runner._adopted, runner._products = [leaf], op_by_op, set(), ProductBuffer()
+    runner.params, runner._op_by_op, runner._adopted, runner._products = [leaf], op_by_op, {}, ProductBuffer()
     return runner
 
 
