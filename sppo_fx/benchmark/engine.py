@@ -33,6 +33,11 @@ from sppo_fx.util.log import ENV as LOG_ENV
 from sppo_fx.util.log import PREFIX as LOG_PREFIX
 
 NOISE_FLOOR_BYTES = 4 * 2**20  # RSS moves by this much between identical runs (malloc, threads)
+#: glibc settings of every benchmark worker: a fixed mmap threshold makes glibc return every
+#: large freed block to the OS, so RSS follows live tensors (its dynamic threshold would keep
+#: freed gradients resident). Every such block then gets fresh pages (docs/solver-clock.md,
+#: "Fresh pages in a step against the allocation probe").
+BENCH_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 NOISE_FLOOR_S = 1e-3
 BUDGET_TOLERANCE = (0.10, 16 * 2**20)  # measured peak <= budget * (1 + 10%) + 16 MiB
 
@@ -70,9 +75,7 @@ def run_row(cfg: BenchConfig, grads_out: str | None, timeout: float | None = Non
     """Run one row in fresh process(es); its measurements or {"error": ...}."""
     cmd = [sys.executable, "-m", "sppo_fx.benchmark.worker", json.dumps(cfg.to_dict())] + (
         [grads_out] if grads_out else [])
-    # A fixed mmap threshold makes glibc return every large freed block to the OS, so RSS
-    # follows live tensors (its dynamic threshold would keep freed gradients resident).
-    malloc = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    malloc = BENCH_MALLOC_ENV
     env = dict(os.environ, **malloc)
     env.setdefault(LOG_ENV, "info")  # its progress lines: what a timed-out row was doing
     if cfg.is_anchor or cfg.stages == 1:

@@ -264,3 +264,44 @@ def test_first_step_script_records_its_commit_and_load(tmp_path):
     assert record["commit"] and len(record["commit"].split("+")[0]) == 40
     assert record["load_average_1min"] >= 0 and record["load_average_1min_end"] >= 0
     assert record["results"]["eager"]["first_s"] > 0 and record["budget"] > 0
+
+
+def _bench_script(name: str):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", name)
+    spec = importlib.util.spec_from_file_location(f"bench_{name[:-3]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fresh_pages_prices_a_gib_of_pages_from_the_two_settings():
+    """bench/fresh_pages.py: the in-step price is the step's difference between the two
+    kinds of process over the difference of their faulted bytes (medians of each kind); a
+    row that faults no more under the benchmark's settings has no price."""
+    mod = _bench_script("fresh_pages.py")
+    GiB = 2 ** 30
+
+    def proc(eager, sppo, probe):
+        return {"rows": {"eager": dict(zip(("step_s", "fault_bytes", "sys_s"), eager)),
+                         "sppo": dict(zip(("step_s", "fault_bytes", "sys_s"), sppo), predicted_s=5.0,
+                                      predicted_terms={"compute": 5.0}, plan="2 chunks")},
+                "probe_s_per_gib": [[262144, probe], [1048576, probe / 2]]}
+    runs = {"fresh": [proc((6.0, 4 * GiB, 3.0), (7.0, 5 * GiB, 4.0), 0.3),
+                      proc((7.0, 4 * GiB, 3.0), (7.0, 5 * GiB, 4.0), 0.5),
+                      proc((8.0, 4 * GiB, 3.0), (7.0, 5 * GiB, 4.0), 0.4)],
+            "default": [proc((4.5, 0, 0.1), (7.0, 5 * GiB, 0.2), 0.0)]}
+    out = mod.summarize(runs)
+    assert out["rows"]["eager"]["in_step_s_per_gib"] == pytest.approx((7.0 - 4.5) / 4)
+    assert out["rows"]["sppo"]["in_step_s_per_gib"] is None  # as many pages under both
+    assert out["rows"]["sppo"]["benchmark_settings"]["predicted_s"] == 5.0 and out["rows"]["sppo"]["plan"] == "2 chunks"
+    assert out["probe_s_per_gib"] == [[262144, pytest.approx(0.4)], [1048576, pytest.approx(0.2)]]
+
+
+def test_fresh_pages_workers_run_under_the_benchmarks_settings_or_none():
+    from sppo_fx.benchmark.engine import BENCH_MALLOC_ENV
+    mod = _bench_script("fresh_pages.py")
+    base = {"PATH": "/bin", "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1"}
+    assert mod.worker_env(True, base) == {"PATH": "/bin", **BENCH_MALLOC_ENV}
+    assert mod.worker_env(False, base) == {"PATH": "/bin"}
