@@ -35,6 +35,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2 ** 30
+#: fewer extra faulted bytes than this give no price: the steps' difference would be noise
+MIN_EXTRA_BYTES = 64 << 20
 
 
 def _worker(args) -> None:
@@ -42,7 +44,6 @@ def _worker(args) -> None:
     import resource
 
     import torch
-    sys.path.insert(0, ROOT)
     import sppo_fx
     from sppo_fx.models import build
     from sppo_fx.solver.calibration import allocation_prices
@@ -56,10 +57,10 @@ def _worker(args) -> None:
     y = torch.randint(0, v, (1, args.seq_len), generator=gen)
     steps = {"eager": lambda: model(x, y).backward()}
     out: dict = {"malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, "rows": {}}
-    if args.budget or args.chunks:
-        offload_dir = tempfile.mkdtemp(prefix="sppo_fresh_pages_")
-        kw = dict(budget=parse_bytes(args.budget, "budget")) if args.budget else dict(chunks=args.chunks)
-        compiled = sppo_fx.compile(model, compile=False, offload="disk", offload_dir=offload_dir, **kw)
+    offload_dir = tempfile.TemporaryDirectory(prefix="sppo_fresh_pages_")  # removed at exit
+    if args.budget is not None or args.chunks is not None:
+        kw = dict(budget=parse_bytes(args.budget, "budget")) if args.budget is not None else dict(chunks=args.chunks)
+        compiled = sppo_fx.compile(model, compile=False, offload="disk", offload_dir=offload_dir.name, **kw)
         steps["sppo"] = lambda: compiled.step(x, y)
     probe = allocation_prices(torch.device("cpu"), 0.1)
     out["probe_s_per_gib"] = [[n, p * GiB] for n, p in probe]
@@ -79,6 +80,7 @@ def _worker(args) -> None:
         if name == "sppo":
             from sppo_fx.benchmark.worker import _terms
             row["plan"] = str(compiled.plan).splitlines()[-1]
+            row["chunk_lengths"] = list(compiled.plan.chunk_lengths)
             row["predicted_s"] = compiled.predicted()[1]
             row["predicted_terms"] = _terms(compiled)
         out["rows"][name] = row
@@ -86,25 +88,30 @@ def _worker(args) -> None:
 
 
 def worker_env(fresh: bool, base=None) -> dict:
-    """A worker's environment: the benchmark's glibc settings (`fresh`), or none of glibc's
-    `MALLOC_*` settings at all (its defaults)."""
+    """A worker's environment: with the benchmark's glibc settings over the rest, as the
+    engine's workers run (`fresh`), or with none of glibc's `MALLOC_*` settings and tunables
+    (its defaults)."""
     from sppo_fx.benchmark.engine import BENCH_MALLOC_ENV
-    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("MALLOC_")}
+    env = dict(os.environ if base is None else base)
     if fresh:
-        env.update(BENCH_MALLOC_ENV)
-    return env
+        return dict(env, **BENCH_MALLOC_ENV)
+    return {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
 
 
 def _run(args, fresh: bool) -> dict:
     env = worker_env(fresh)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model, "--size", args.size,
            "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
-    cmd += ["--budget", args.budget] if args.budget else []
-    cmd += ["--chunks", str(args.chunks)] if args.chunks else []
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if res.returncode:
-        raise SystemExit(f"fresh_pages: worker failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    cmd += ["--budget", args.budget] if args.budget is not None else []
+    cmd += ["--chunks", str(args.chunks)] if args.chunks is not None else []
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:g} s"}
+    lines = res.stdout.strip().splitlines()
+    if res.returncode or not lines:
+        return {"error": (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]}
+    return json.loads(lines[-1])
 
 
 def summarize(runs: dict) -> dict:
@@ -115,15 +122,23 @@ def summarize(runs: dict) -> dict:
         med = {kind: {k: statistics.median(r["rows"][name][k] for r in runs[kind])
                       for k in ("step_s", "fault_bytes", "sys_s")} for kind in ("fresh", "default")}
         extra = med["fresh"]["fault_bytes"] - med["default"]["fault_bytes"]
+        # a plan is solved per process (its profile calibrated there): a price compares
+        # steps of one plan only
+        plans = {json.dumps(r["rows"][name].get("chunk_lengths")) for kind in runs for r in runs[kind]}
         row = {"benchmark_settings": med["fresh"], "glibc_defaults": med["default"],
                "in_step_s_per_gib": (med["fresh"]["step_s"] - med["default"]["step_s"]) / (extra / GiB)
-               if extra > 0 else None}
-        for kind in ("fresh", "default"):
-            if "predicted_s" in runs[kind][0]["rows"][name]:
-                key = "benchmark_settings" if kind == "fresh" else "glibc_defaults"
+               if extra >= MIN_EXTRA_BYTES and len(plans) == 1 else None}
+        for kind, key in (("fresh", "benchmark_settings"), ("default", "glibc_defaults")):
+            first = runs[kind][0]["rows"][name]
+            if "predicted_s" in first:
                 row[key]["predicted_s"] = statistics.median(r["rows"][name]["predicted_s"] for r in runs[kind])
-                row[key]["predicted_terms"] = runs[kind][0]["rows"][name]["predicted_terms"]
-                row["plan"] = runs[kind][0]["rows"][name]["plan"]
+                row[key].update(predicted_terms=first["predicted_terms"], plan=first["plan"],
+                                chunk_lengths=first.get("chunk_lengths"))
+            steps = [r["rows"][name]["step_s"] for r in runs[kind]]
+            if max(steps) > 1.5 * min(steps):
+                row.setdefault("warnings", []).append(
+                    f"{key}: steps of its processes spread {min(steps):.2f}-{max(steps):.2f} s (the machine's "
+                    f"spread, not the settings': the price is not reliable)")
         out["rows"][name] = row
     tables = [r["probe_s_per_gib"] for r in runs["fresh"]]
     out["probe_s_per_gib"] = [[size, statistics.median(t[i][1] for t in tables)] for i, (size, _) in enumerate(tables[0])]
@@ -139,31 +154,53 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="process pairs, alternating the two settings")
     p.add_argument("--budget", default=None, help="also an sppo plan at this budget ('500MiB')")
     p.add_argument("--chunks", type=int, default=None, help="also an sppo plan of this many chunks")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a worker process may take")
     p.add_argument("--out", default=None, help="write the record (JSON) here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    sys.path.insert(0, ROOT)
     if args.worker:
         return _worker(args)
-    if args.budget and args.chunks:
+    if args.budget is not None and args.chunks is not None:
         p.error("give --budget or --chunks, not both")
+    if args.budget is not None:
+        from sppo_fx.errors import SppoError
+        from sppo_fx.util.units import parse_bytes
+        try:
+            parse_bytes(args.budget, "budget")
+        except SppoError as e:
+            p.error(str(e))
     runs: dict = {"fresh": [], "default": []}
     for r in range(args.rounds):
         for fresh in (True, False):
-            runs["fresh" if fresh else "default"].append(_run(args, fresh))
-            last = runs["fresh" if fresh else "default"][-1]["rows"]
+            got = _run(args, fresh)
+            if "error" in got:  # what finished is kept
+                print(f"round {r + 1}: a worker failed: {got['error']}", flush=True)
+                return _report(args, runs, got["error"])
+            runs["fresh" if fresh else "default"].append(got)
+            last = got["rows"]
             print(f"round {r + 1} {'benchmark settings' if fresh else 'glibc defaults   '}: " + "; ".join(
                 f"{n} {row['step_s']:.2f} s, {row['fault_bytes'] / GiB:.2f} GiB faulted" for n, row in last.items()),
                 flush=True)
-    summary = summarize(runs)
-    for name, row in summary["rows"].items():
+    _report(args, runs)
+
+
+def _report(args, runs: dict, error: str | None = None) -> None:
+    """Print the prices (where both kinds of process ran) and write the record."""
+    summary = summarize(runs) if runs["fresh"] and runs["default"] else {}
+    for name, row in summary.get("rows", {}).items():
         price = row["in_step_s_per_gib"]
         print(f"{name}: in-step price of fresh pages {price:.3f} s/GiB" if price is not None else
-              f"{name}: no more pages faulted under the benchmark's settings")
-    print("probe (benchmark settings), s/GiB by block size: " + ", ".join(
-        f"{size >> 10} KiB {price:.3f}" for size, price in summary["probe_s_per_gib"]))
+              f"{name}: no price (under {MIN_EXTRA_BYTES >> 20} MiB more pages faulted under the benchmark's "
+              f"settings, or plans differed)")
+        for warning in row.get("warnings", ()):
+            print(f"  warning: {warning}")
+    if summary:
+        print("probe (benchmark settings), s/GiB by block size: " + ", ".join(
+            f"{size >> 10} KiB {price:.3f}" for size, price in summary["probe_s_per_gib"]))
     if args.out:
         record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "args": vars(args),
-                  "runs": runs, **summary}
+                  "runs": runs, **summary, **({"error": error} if error else {})}
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
 

@@ -168,7 +168,7 @@ def _no_compile_under_way(compiled) -> bool:
     """No chunk-0 compile runs beside the steps now (`codegen/background.py`): an eager
     step timed beside one would share its cores."""
     codegen = getattr(compiled, "codegen", None)
-    return codegen is None or codegen.wait_background(timeout=0)
+    return codegen is None or not codegen.compile_under_way()
 
 
 def _chunk_zero_compiles(compiled) -> int:

@@ -245,6 +245,11 @@ class ExactProgram:
         finally:
             child.exit_with(b"", code)  # never returns
 
+    def running(self) -> bool:
+        """Whether a forked child compiles beside the steps now; takes nothing (`wait`
+        takes a finished compile, and compiles here where no child did)."""
+        return self._child_running()
+
     def _child_running(self) -> bool:
         if self.child is None or self.child.pid is None:
             return False

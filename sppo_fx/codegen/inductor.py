@@ -345,6 +345,11 @@ class CompiledProgram:
         steady steps calls it after its second step."""
         return all([p.wait(timeout) for p in self._exact])
 
+    def compile_under_way(self) -> bool:
+        """Whether a chunk-0 compile runs beside the steps now (a forked child's), without
+        taking or starting anything (`wait_background` does)."""
+        return any(p.running() for p in self._exact)
+
     def _partition_fn(self, grad_index):
         from sppo_fx.passes.offload import memory_partitioner
         return memory_partitioner(self.recompute, self.offload, self.partitions, grad_index)

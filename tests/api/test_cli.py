@@ -50,6 +50,9 @@ def test_demo_under_a_budget_times_eager_between_its_steps(capsys, monkeypatch):
     assert report["grad_check"]["ok"] and report["losses"][-1] < report["losses"][0]
     assert len(report["eager_between_s"]) == 2 and all(s > 0 for s in report["eager_between_s"])
     assert "eager steps taken between them" in out
+    monkeypatch.setattr(demo, "_no_compile_under_way", lambda compiled: False)  # no eager step between
+    alone = demo.run(steps=3, seq_len=128, batch=1, size="tiny", lr=3e-3, seed=1, compile=False)
+    assert alone["eager_between_s"] == [] and alone["losses"] == report["losses"]  # the same training
 
 
 def test_corpus_is_real_python_source():

@@ -295,13 +295,22 @@ def test_fresh_pages_prices_a_gib_of_pages_from_the_two_settings():
     out = mod.summarize(runs)
     assert out["rows"]["eager"]["in_step_s_per_gib"] == pytest.approx((7.0 - 4.5) / 4)
     assert out["rows"]["sppo"]["in_step_s_per_gib"] is None  # as many pages under both
-    assert out["rows"]["sppo"]["benchmark_settings"]["predicted_s"] == 5.0 and out["rows"]["sppo"]["plan"] == "2 chunks"
+    assert out["rows"]["sppo"]["benchmark_settings"]["predicted_s"] == 5.0
+    assert out["rows"]["sppo"]["glibc_defaults"]["plan"] == "2 chunks"
     assert out["probe_s_per_gib"] == [[262144, pytest.approx(0.4)], [1048576, pytest.approx(0.2)]]
+    assert "warnings" not in out["rows"]["eager"]
+    runs["fresh"][0]["rows"]["eager"]["fault_bytes"] = runs["fresh"][1]["rows"]["eager"]["fault_bytes"] = 32 << 20
+    assert mod.summarize(runs)["rows"]["eager"]["in_step_s_per_gib"] is None  # 32 MiB more: noise, no price
+    runs["fresh"][0]["rows"]["eager"]["fault_bytes"] = runs["fresh"][1]["rows"]["eager"]["fault_bytes"] = 4 * GiB
+    runs["default"][0]["rows"]["eager"]["chunk_lengths"] = [512, 512]  # another plan: no price
+    runs["fresh"][0]["rows"]["eager"]["step_s"] = 12.0  # and a process far slower than the others
+    row = mod.summarize(runs)["rows"]["eager"]
+    assert row["in_step_s_per_gib"] is None and "spread 7.00-12.00 s" in row["warnings"][0]
 
 
 def test_fresh_pages_workers_run_under_the_benchmarks_settings_or_none():
     from sppo_fx.benchmark.engine import BENCH_MALLOC_ENV
     mod = _bench_script("fresh_pages.py")
-    base = {"PATH": "/bin", "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1"}
-    assert mod.worker_env(True, base) == {"PATH": "/bin", **BENCH_MALLOC_ENV}
-    assert mod.worker_env(False, base) == {"PATH": "/bin"}
+    base = {"PATH": "/bin", "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1", "GLIBC_TUNABLES": "x"}
+    assert mod.worker_env(True, base) == {**base, **BENCH_MALLOC_ENV}  # as the engine's workers
+    assert mod.worker_env(False, base) == {"PATH": "/bin"}  # glibc's defaults

@@ -161,3 +161,25 @@ def test_wait_compiles_here_when_the_child_runs_past_the_limit(monkeypatch):
     monkeypatch.setattr(prog, "_child_running", lambda: prog.child is not None)  # stuck until detached
     assert [prog(1), prog(2), prog(3)] == ["eager", "compiled", "compiled"]
     assert detached == [True] and stats.background_compiles == 1
+
+
+def test_running_says_whether_a_child_compiles_and_takes_nothing():
+    """`running()` (what the demo asks before timing an eager step between the library's)
+    is true while a forked child compiles; with no child it is false and leaves a pending
+    compile pending, where `wait(0)` compiles it here."""
+    import subprocess
+    stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0, "background_compiles": 0,
+                               "background_failures": 0})()
+    prog = background.ExactProgram(lambda *t: "eager", lambda tensors: (lambda: "compiled"), stats, "test", "cpu")
+    prog.job = lambda: "compiled"
+    assert not prog.running() and prog.job is not None and stats.background_compiles == 0
+    sleeper = subprocess.Popen(["sleep", "30"])
+    prog.child = type("Child", (), {"pid": sleeper.pid, "_close": lambda self: None})()
+    try:
+        assert prog.running() and prog.job is not None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    prog.child = None  # (Popen reaped the sleeper)
+    assert not prog.running() and prog.job is not None
+    assert prog.wait(0) and prog.job is None and stats.background_compiles == 1
