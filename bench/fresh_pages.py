@@ -45,16 +45,11 @@ def _worker(args) -> None:
 
     import torch
     import sppo_fx
-    from sppo_fx.models import build
+    from sppo_fx.benchmark.calibration import bench_model_and_data
     from sppo_fx.solver.calibration import allocation_prices
     from sppo_fx.util.units import parse_bytes
 
-    torch.manual_seed(0)
-    model = build(args.model, args.size)
-    v = model.config.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, v, (1, args.seq_len), generator=gen)
-    y = torch.randint(0, v, (1, args.seq_len), generator=gen)
+    model, (x, y) = bench_model_and_data(args.model, args.size, 1, args.seq_len)
     steps = {"eager": lambda: model(x, y).backward()}
     out: dict = {"malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, "rows": {}}
     offload_dir = tempfile.TemporaryDirectory(prefix="sppo_fresh_pages_")  # removed at exit
