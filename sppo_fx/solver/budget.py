@@ -111,6 +111,8 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
         flops = cost.forward_flops(c, t) if attn is None else cost.per_token * c
         f = flops / (rate * c / (c + c_half)) / max(clock.compiled_speedup, 1e-9)
         terms.compute += f * scale + weights
+        if i != len(lengths) - 1:  # the last chunk's backward runs first and makes the sums
+            terms.compute += clock.weight_grad_seconds(cost)
         f += weights_fwd  # the forward's read of the weights
         if attn is not None:
             terms.attention += attn * (1 + recompute_fraction / (1 + cost.backward_factor))

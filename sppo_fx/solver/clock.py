@@ -6,7 +6,11 @@
                  (`DeviceProfile.compute_seconds`), forward x (1 + backward factor + recompute);
                  and where the model's weights exceed the processor's cache, every chunk
                  reads them from memory in its forward, its backward (the input gradient's
-                 matmuls) and a full recompute: weight bytes x `weight_read_seconds` each
+                 matmuls) and a full recompute: weight bytes x `weight_read_seconds` each;
+                 and every chunk but the backward's first adds its weight gradients into the
+                 sums, which then lie beyond the cache too: 3 passes over them op by op
+                 (`add_` reads the sum and the product, writes the sum), 2 compiled (the GEMM
+                 reads and writes the sum), at the same price per byte
     attention    per causal (query, key) pair and head: seconds at the head dim d (forward and
                  backward), from the calibrated per-dim table (`DeviceProfile.attention_by_dim`,
                  interpolated), else e + d·f (`attention_pair_seconds`, `..._dim_seconds`); a
@@ -153,6 +157,18 @@ class Clock:
         if not self.weight_read_seconds or weights <= self.cache_bytes:
             return 0.0
         return (2 + recompute_fraction) * weights * self.weight_read_seconds
+
+    def weight_grad_seconds(self, cost) -> float:
+        """Seconds one chunk other than the backward's first spends adding its weight
+        gradients into their sums where the model's weights exceed the cache: the sums
+        are weight-sized and come from memory; op by op `add_` passes over them 3 times
+        (reads the sum and the chunk's product, writes the sum), compiled the GEMM 2 times
+        (reads and writes the sum in place). 0 where they fit the cache or the profile has
+        no figure."""
+        weights = getattr(cost, "weight_bytes", 0.0)
+        if not self.weight_read_seconds or weights <= self.cache_bytes:
+            return 0.0
+        return (3 if self.op_by_op else 2) * weights * self.weight_read_seconds
 
     def elementwise_seconds(self, cost, tokens: float, recompute_fraction: float = 0.0) -> float:
         """Seconds of the element-wise ops of `tokens` tokens, forward and backward; a

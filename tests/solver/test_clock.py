@@ -295,11 +295,34 @@ def test_weights_beyond_the_cache_are_read_by_every_chunk():
 
     def compute(cost, n, clock, fraction=0.0):
         return step_terms(cost, [T // n] * n, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, fraction, clock=clock).compute
+    adds = 2 * 4e8 * 6e-11  # every chunk but the backward's first adds into the sums (compiled: 2 passes)
     for n in (4, 64):
-        assert compute(heavy, n, clock) - compute(heavy, n, Clock()) == pytest.approx(n * 2 * 4e8 * 6e-11)
-        assert compute(heavy, n, clock, 1.0) - compute(heavy, n, Clock(), 1.0) == pytest.approx(n * 3 * 4e8 * 6e-11)
+        assert compute(heavy, n, clock) - compute(heavy, n, Clock()) == pytest.approx(n * 2 * 4e8 * 6e-11
+                                                                                       + (n - 1) * adds)
+        assert compute(heavy, n, clock, 1.0) - compute(heavy, n, Clock(), 1.0) == pytest.approx(
+            n * 3 * 4e8 * 6e-11 + (n - 1) * adds)
     light = dataclasses.replace(COST, weight_bytes=16 << 20)
     assert compute(light, 64, clock) == compute(light, 64, Clock())
+
+
+def test_weight_gradients_are_added_from_memory_by_every_chunk_but_one():
+    """Beyond the cache, adding a chunk's weight gradients into their sums passes over
+    weight-sized sums from memory: 3 passes op by op (`add_`), 2 compiled (in the GEMM);
+    the backward's first chunk makes the sums and pays none; weights that fit the cache,
+    or a clock without the figure, pay nothing."""
+    heavy = dataclasses.replace(COST, weight_bytes=4e8)
+    op_by_op = Clock(weight_read_seconds=6e-11, cache_bytes=32 << 20, op_by_op=True)
+    compiled = dataclasses.replace(op_by_op, op_by_op=False)
+    assert op_by_op.weight_grad_seconds(heavy) == pytest.approx(3 * 4e8 * 6e-11)
+    assert compiled.weight_grad_seconds(heavy) == pytest.approx(2 * 4e8 * 6e-11)
+    assert op_by_op.weight_grad_seconds(dataclasses.replace(COST, weight_bytes=16 << 20)) == 0.0
+    assert Clock(op_by_op=True).weight_grad_seconds(heavy) == 0.0
+
+    def compute(n, clock):
+        return step_terms(heavy, [T // n] * n, [0.0] * n, [0] * n, 1e11, 0.0, 1e9, clock=clock).compute
+    one = compute(1, op_by_op) - compute(1, Clock(op_by_op=True))  # one chunk: reads only
+    assert one == pytest.approx(2 * 4e8 * 6e-11)
+    assert compute(8, op_by_op) - compute(8, Clock(op_by_op=True)) == pytest.approx(8 * one + 7 * 3 * 4e8 * 6e-11)
 
 
 def test_streaming_weights_flips_many_chunks_to_few():
