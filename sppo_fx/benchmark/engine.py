@@ -75,8 +75,7 @@ def run_row(cfg: BenchConfig, grads_out: str | None, timeout: float | None = Non
     """Run one row in fresh process(es); its measurements or {"error": ...}."""
     cmd = [sys.executable, "-m", "sppo_fx.benchmark.worker", json.dumps(cfg.to_dict())] + (
         [grads_out] if grads_out else [])
-    malloc = BENCH_MALLOC_ENV
-    env = dict(os.environ, **malloc)
+    env = dict(os.environ, **BENCH_MALLOC_ENV)
     env.setdefault(LOG_ENV, "info")  # its progress lines: what a timed-out row was doing
     if cfg.is_anchor or cfg.stages == 1:
         try:
@@ -88,7 +87,7 @@ def run_row(cfg: BenchConfig, grads_out: str | None, timeout: float | None = Non
         return json.loads(res.stdout.strip().splitlines()[-1])
     from sppo_fx.runtime.launch import start_local_ranks
     # start_local_ranks sets each rank's environment itself: pass the malloc settings through env(1)
-    procs = start_local_ranks(["env"] + [f"{k}={v}" for k, v in malloc.items()] + cmd, cfg.stages)
+    procs = start_local_ranks(["env"] + [f"{k}={v}" for k, v in BENCH_MALLOC_ENV.items()] + cmd, cfg.stages)
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired:

@@ -106,13 +106,14 @@ def step_terms(cost: ChunkCostModel, lengths, ratios, l2, rate, c_half, bw, reco
     terms = StepTerms()
     fwd = []
     weights, weights_fwd = clock.weight_seconds(cost, recompute_fraction), clock.weight_seconds(cost) / 2
+    grad_sums = clock.weight_grad_seconds(cost)  # every chunk but the backward's first
     for i, (c, t) in enumerate(zip(lengths, starts)):
         attn = attention_seconds(cost, c, t, clock)
         flops = cost.forward_flops(c, t) if attn is None else cost.per_token * c
         f = flops / (rate * c / (c + c_half)) / max(clock.compiled_speedup, 1e-9)
         terms.compute += f * scale + weights
         if i != len(lengths) - 1:  # the last chunk's backward runs first and makes the sums
-            terms.compute += clock.weight_grad_seconds(cost)
+            terms.compute += grad_sums
         f += weights_fwd  # the forward's read of the weights
         if attn is not None:
             terms.attention += attn * (1 + recompute_fraction / (1 + cost.backward_factor))

@@ -153,10 +153,7 @@ class Clock:
         """Seconds one chunk spends reading the model's weights from memory: its forward,
         its backward's input-gradient matmuls and a recompute's forward each read them once;
         0 where they fit the cache or the profile has no figure."""
-        weights = getattr(cost, "weight_bytes", 0.0)
-        if not self.weight_read_seconds or weights <= self.cache_bytes:
-            return 0.0
-        return (2 + recompute_fraction) * weights * self.weight_read_seconds
+        return (2 + recompute_fraction) * self._weights_from_memory(cost) * self.weight_read_seconds
 
     def weight_grad_seconds(self, cost) -> float:
         """Seconds one chunk other than the backward's first spends adding its weight
@@ -165,10 +162,13 @@ class Clock:
         (reads the sum and the chunk's product, writes the sum), compiled the GEMM 2 times
         (reads and writes the sum in place). 0 where they fit the cache or the profile has
         no figure."""
+        return (3 if self.op_by_op else 2) * self._weights_from_memory(cost) * self.weight_read_seconds
+
+    def _weights_from_memory(self, cost) -> float:
+        """The model's weight bytes where they exceed the cache and the profile prices
+        reading them from memory, else 0."""
         weights = getattr(cost, "weight_bytes", 0.0)
-        if not self.weight_read_seconds or weights <= self.cache_bytes:
-            return 0.0
-        return (3 if self.op_by_op else 2) * weights * self.weight_read_seconds
+        return weights if self.weight_read_seconds and weights > self.cache_bytes else 0.0
 
     def elementwise_seconds(self, cost, tokens: float, recompute_fraction: float = 0.0) -> float:
         """Seconds of the element-wise ops of `tokens` tokens, forward and backward; a

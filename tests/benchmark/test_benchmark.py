@@ -210,15 +210,20 @@ def test_bench_runs_anchors_and_library_rows_end_to_end(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p.svg").exists()
 
 
+def _bench_script(name: str):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", name)
+    spec = importlib.util.spec_from_file_location(f"bench_{name[:-3]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_memory_script_names_map_to_engine_rows():
     """bench/memory.py is a front end: its configuration names become the engine's rows."""
     import argparse
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "memory.py")
-    spec = importlib.util.spec_from_file_location("bench_memory", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench_script("memory.py")
     args = argparse.Namespace(chunks=8, sppo_compile=True, tier=None)
     base = BenchConfig(size="bench", seq_len=4096)
     rows = [mod.config_for(n, base, args) for n in mod.CONFIGS + ["sppo-skel-25%"]]
@@ -264,16 +269,6 @@ def test_first_step_script_records_its_commit_and_load(tmp_path):
     assert record["commit"] and len(record["commit"].split("+")[0]) == 40
     assert record["load_average_1min"] >= 0 and record["load_average_1min_end"] >= 0
     assert record["results"]["eager"]["first_s"] > 0 and record["budget"] > 0
-
-
-def _bench_script(name: str):
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", name)
-    spec = importlib.util.spec_from_file_location(f"bench_{name[:-3]}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_fresh_pages_prices_a_gib_of_pages_from_the_two_settings():
