@@ -74,9 +74,11 @@ def _run(args, config: str, cache: str, budget: int | None) -> dict:
            "--size", args.size, "--seq-len", str(args.seq_len)]
     if budget is not None:
         cmd += ["--budget", str(budget)]
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from sppo_fx.benchmark.engine import BENCH_MALLOC_ENV  # the benchmark's glibc settings, as its rows run
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-               SPPO_FX_CACHE_DIR=os.path.join(cache, "sppo_fx"),
-               MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+               SPPO_FX_CACHE_DIR=os.path.join(cache, "sppo_fx"), **BENCH_MALLOC_ENV)
     env.pop("SPPO_FX_RECALIBRATE", None)
     print(f"running {config} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
