@@ -39,7 +39,7 @@ def worker(args) -> None:
     import torch
     sys.path.insert(0, ROOT)
     import sppo_fx
-    from sppo_fx.benchmark.worker import _rss  # the engine's RSS reader
+    from sppo_fx.util.rss import rss_bytes as _rss  # the engine's RSS reader
     from sppo_fx.util.log import enable, record_phases, summarize
     from sppo_fx.models import build
     import_s = time.perf_counter() - t0  # nothing at this module's top imports torch

@@ -20,6 +20,7 @@ from tabulate import tabulate
 
 import sppo_fx
 from sppo_fx.util.log import enable, record_phases, summarize
+from sppo_fx.util.rss import reset_high_water, rss_bytes
 from sppo_fx.models import build
 
 
@@ -45,32 +46,16 @@ def sample_batch(corpus: torch.Tensor, batch: int, seq_len: int, gen: torch.Gene
     return windows[:, :-1], windows[:, 1:]
 
 
-def _rss(field: str) -> int:
-    """A /proc/self/status memory field in bytes (0 where there is no /proc)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def measured_step(step) -> tuple[float, int]:
     """(seconds, peak extra bytes) of `step()`: the process's peak RSS during the step (VmHWM,
     reset first) minus its RSS before it, as bench/memory.py measures on a CPU. Accurate
     when glibc returns freed blocks to the OS (scripts/demo.sh sets MALLOC_MMAP_THRESHOLD_)."""
-    base = _rss("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-    except OSError:
-        pass
+    base = rss_bytes("VmRSS")
+    reset_high_water()
     t0 = time.perf_counter()
     step()
     seconds = time.perf_counter() - t0
-    return seconds, max(_rss("VmHWM") - base, 0)
+    return seconds, max(rss_bytes("VmHWM") - base, 0)
 
 
 # eager's measured steps: its step time is their median, as the library's is the median of
@@ -137,12 +122,14 @@ def run(steps: int, seq_len: int, chunks: int | None = None, batch: int = 1, siz
             print(compiled.plan.table())
             report["grad_check"] = _check_grads(model, x, y, holder["loss"].detach())
         else:
-            compiles_before = _chunk_zero_compiles(compiled)
+            compiles_before, kept_before = _chunk_zero_compiles(compiled)
             elapsed, peak = measured_step(train_step)
             report["peaks"].append(peak)
             report["step_s"].append(elapsed)
-            if _chunk_zero_compiles(compiled) > compiles_before:
+            compiles_after, kept_after = _chunk_zero_compiles(compiled)
+            if compiles_after > compiles_before:
                 report["chunk_zero_compiled_at"] = step
+                report["compile_kept_bytes"] = kept_after - kept_before
         opt.step()
         loss = holder["loss"].item()
         report["losses"].append(loss)
@@ -171,16 +158,24 @@ def _no_compile_under_way(compiled) -> bool:
     return codegen is None or not codegen.compile_under_way()
 
 
-def _chunk_zero_compiles(compiled) -> int:
-    """Chunk 0's exact-size programs Inductor has compiled so far (0 without Inductor): the
-    first call runs chunk 0 op by op, and a later step pays its compile."""
+def _chunk_zero_compiles(compiled) -> tuple[int, int]:
+    """(chunk 0's exact-size programs Inductor has compiled so far, the RSS those compiles
+    kept in this process: `CodegenStats.background_compile_rss_bytes`); (0, 0) without
+    Inductor. The first call runs chunk 0 op by op, and a later step pays its compile."""
     codegen = getattr(compiled, "codegen", None)
-    return codegen.stats.background_compiles if codegen is not None else 0
+    if codegen is None:
+        return 0, 0
+    return codegen.stats.background_compiles, codegen.stats.background_compile_rss_bytes
 
 
 def _summary(report: dict, plan) -> None:
-    peak, budget, eager_peak = max(report["peaks"]), report["budget"], report["eager_peak"]
+    budget, eager_peak = report["budget"], report["eager_peak"]
     at = report.get("chunk_zero_compiled_at")
+    kept = report.get("compile_kept_bytes", 0) if at is not None else 0
+    # the step that took chunk 0's compiled program measures its code and the compiler's
+    # state on top of its tensors; the budget is the tensors'
+    peaks = [max(p - kept, 0) if k == at else p for k, p in enumerate(report["peaks"], start=1)]
+    peak = max(peaks)
     steady = [s for k, s in enumerate(report["step_s"], start=1) if k != at]
     # the step that paid chunk 0's compile is not a training step's time
     step_s = statistics.median(steady or report["step_s"])
@@ -188,13 +183,16 @@ def _summary(report: dict, plan) -> None:
     tolerance = 0.10 * budget + 16 * 2**20  # what RSS holds that no plan controls (bench/memory.py)
     fits = "within the budget" if peak <= budget else (
         "within the budget's tolerance (10% + 16 MiB)" if peak <= budget + tolerance else "OVER the budget")
-    print(f"\nmeasured peak extra memory {peak / 2**20:.0f} MiB (largest of steps 1-{len(report['peaks'])}) "
+    less = f", step {at} less chunk 0's compiled program" if kept else ""
+    print(f"\nmeasured peak extra memory {peak / 2**20:.0f} MiB (largest of steps 1-{len(report['peaks'])}{less}) "
           f"vs budget {budget / 2**20:.0f} MiB: {fits}; predicted {plan.peak_bytes / 2**20:.0f} MiB; "
           f"eager {eager_peak / 2**20:.0f} MiB ({peak / eager_peak:.0%} of eager)")
     others = [p for k, p in enumerate(report["peaks"], start=1) if k != at]
     if at is not None and others:  # that step's RSS also holds what the compile left behind
-        print(f"  without step {at}, which compiled chunk 0: {max(others) / 2**20:.0f} MiB "
-              f"({max(others) / eager_peak:.0%} of eager)")
+        taken = (f"; its RSS grew by {kept / 2**20:.0f} MiB while it took the compiled program, which "
+                 f"the process keeps" if kept else "")
+        print(f"  step {at}, which compiled chunk 0: {report['peaks'][at - 1] / 2**20:.0f} MiB{taken}; "
+              f"without step {at}: {max(others) / 2**20:.0f} MiB ({max(others) / eager_peak:.0%} of eager)")
     between = report.get("eager_between_s") or []
     if between:  # eager's steps taken between the library's: neighbours in time
         eager_s = statistics.median(between)

@@ -38,21 +38,9 @@ from sppo_fx.benchmark.config import BenchConfig, min_headroom
 from sppo_fx.benchmark.copy_overlap import COPY_OVERLAP_ENV, profile_step
 from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.util.log import record_phases, summarize
+from sppo_fx.util.rss import reset_high_water, rss_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_rss_high_water() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
 
 
 def _anchor_step(cfg: BenchConfig, model, x, y):
@@ -215,13 +203,13 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            base = _rss("VmRSS")
-            _reset_rss_high_water()
+            base = rss_bytes("VmRSS")
+            reset_high_water()
         t = time.perf_counter()
         loss = step()
         sync()
         times.append(time.perf_counter() - t)
-        peaks.append((torch.cuda.max_memory_allocated(device) if cuda else _rss("VmHWM")) - base)
+        peaks.append((torch.cuda.max_memory_allocated(device) if cuda else rss_bytes("VmHWM")) - base)
     out.update(step_s=statistics.median(times), step_times=times, peak_extra_bytes=max(max(peaks), 0),
                loss=float(loss))
     if compiled is not None:

@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.util.log import get_logger
+from sppo_fx.util.rss import rss_bytes
 
 log = get_logger(__name__)
 
@@ -264,14 +265,17 @@ class ExactProgram:
         """Compile here (Inductor's cache holds what the child compiled); on failure chunk 0
         keeps its op-by-op graphs, which are exact."""
         job, self.job = self.job, None
+        before = rss_bytes()
         try:
             with torch.set_grad_enabled(self.grad):
                 self.compiled = job()
-            self.stats.background_compiles += 1
         except Exception:  # noqa: BLE001 - the op-by-op graphs stay, and stay exact
             self.stats.background_failures += 1
             log.warning("compiling %s for chunk 0 failed; chunk 0 keeps AOTAutograd's graphs op by op",
                         self.name, exc_info=True)
+            return
+        self.stats.background_compiles += 1
+        self.stats.background_compile_rss_bytes += max(rss_bytes() - before, 0)
 
     def _compile_here_instead(self) -> None:
         """Mode "wait" with a child still compiling after `WAIT_LIMIT_S` (stuck, say, on a

@@ -52,6 +52,10 @@ class CodegenStats:
         exact_eager_calls: calls of chunk 0's exact-size programs that ran AOTAutograd's
             graphs op by op.
         exact_compiled_calls: calls of them that ran Inductor's code (compiled in the background).
+        background_compile_rss_bytes: what this process's RSS grew by while it took chunk 0's
+            compiled program from Inductor's cache (Linux; 0 elsewhere): the program's code
+            and AOTAutograd's and Inductor's state for it, held from then on. On a CPU the
+            step that takes it measures that on top of its tensors (the demo tells them apart).
     """
 
     compiles: int = 0
@@ -62,6 +66,7 @@ class CodegenStats:
     background_failures: int = 0
     exact_eager_calls: int = 0
     exact_compiled_calls: int = 0
+    background_compile_rss_bytes: int = 0
 
 
 # Chunk-0 sizes traced exactly (no Dynamo) before chunk 0 gets one dynamic-shape program:

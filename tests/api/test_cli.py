@@ -27,12 +27,21 @@ def test_demo_summary_reports_medians_and_the_step_that_compiled_chunk_zero(caps
               "eager_peak": 200 << 20, "eager_s": 1.0, "losses": [5.0, 4.0], "chunk_zero_compiled_at": 1}
     demo._summary(report, plan)
     out = capsys.readouterr().out
-    assert "measured peak extra memory 70 MiB" in out
-    assert "without step 1, which compiled chunk 0: 52 MiB (26% of eager)" in out
+    assert "measured peak extra memory 70 MiB (largest of steps 1-3) vs budget 60 MiB: within the budget's" in out
+    assert "step 1, which compiled chunk 0: 70 MiB; without step 1: 52 MiB (26% of eager)" in out
     assert "step time 1.10 s (median of steps 1-3 but step 1, which compiled chunk 0) vs eager 1.00 s (1.10x)" in out
+    # step 1's RSS also held the compiled program it took (30 MiB): the budget is the tensors'
+    demo._summary(dict(report, compile_kept_bytes=30 << 20), plan)
+    out = capsys.readouterr().out
+    assert ("measured peak extra memory 52 MiB (largest of steps 1-3, step 1 less chunk 0's compiled program) "
+            "vs budget 60 MiB: within the budget;") in out
+    assert ("step 1, which compiled chunk 0: 70 MiB; its RSS grew by 30 MiB while it took the compiled program, "
+            "which the process keeps; without step 1: 52 MiB") in out
     del report["chunk_zero_compiled_at"]
-    demo._summary(report, plan)
-    assert "step time 1.20 s (median of steps 1-3) vs eager 1.00 s (1.20x)" in capsys.readouterr().out
+    demo._summary(dict(report, compile_kept_bytes=30 << 20), plan)  # no compile step: nothing taken off
+    out = capsys.readouterr().out
+    assert "measured peak extra memory 70 MiB (largest of steps 1-3) vs" in out
+    assert "step time 1.20 s (median of steps 1-3) vs eager 1.00 s (1.20x)" in out
     report["eager_between_s"] = [1.5, 1.1, 1.0]  # eager again between the library's steps: the ratio's reference
     demo._summary(report, plan)
     assert ("step time 1.20 s (median of steps 1-3) vs eager 1.10 s (median of 3 eager steps taken between "

@@ -1,6 +1,8 @@
 """Chunk 0's compile's `auto` default (sppo_fx/codegen/background.py): beside the steps where
 a core is free for the child; where the step threads take every core (the 2-core demo) or no
 child can fork, at chunk 0's second call, which waits for it."""
+import os
+
 import pytest
 import torch
 
@@ -132,7 +134,7 @@ def test_wait_compiles_at_the_second_call_and_runs_the_compiled_code_there(monke
     monkeypatch.setattr(forked, "a_core_is_free", lambda: False)
     monkeypatch.setattr(forked, "can_fork", lambda: False)  # no child: the compile runs here
     stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0, "background_compiles": 0,
-                               "background_failures": 0})()
+                               "background_failures": 0, "background_compile_rss_bytes": 0})()
     compiles: list = []
 
     def compile_(tensors):
@@ -149,7 +151,7 @@ def test_wait_compiles_here_when_the_child_runs_past_the_limit(monkeypatch):
     to end on its own and the call compiles in this process, then runs the compiled code."""
     monkeypatch.setattr(background, "WAIT_LIMIT_S", 0.01)
     stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0, "background_compiles": 0,
-                               "background_failures": 0})()
+                               "background_failures": 0, "background_compile_rss_bytes": 0})()
     detached: list = []
     prog = background.ExactProgram(lambda *t: "eager", lambda tensors: (lambda: (lambda *t: "compiled")),
                                    stats, "test", "cpu", wait=True)
@@ -169,7 +171,7 @@ def test_running_says_whether_a_child_compiles_and_takes_nothing():
     compile pending, where `wait(0)` compiles it here."""
     import subprocess
     stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0, "background_compiles": 0,
-                               "background_failures": 0})()
+                               "background_failures": 0, "background_compile_rss_bytes": 0})()
     prog = background.ExactProgram(lambda *t: "eager", lambda tensors: (lambda: "compiled"), stats, "test", "cpu")
     prog.job = lambda: "compiled"
     assert not prog.running() and prog.job is not None and stats.background_compiles == 0
@@ -183,3 +185,30 @@ def test_running_says_whether_a_child_compiles_and_takes_nothing():
     prog.child = None  # (Popen reaped the sleeper)
     assert not prog.running() and prog.job is not None
     assert prog.wait(0) and prog.job is None and stats.background_compiles == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from Linux's /proc/self/status")
+def test_the_compile_here_records_what_it_kept_in_the_process(monkeypatch):
+    """What this process's RSS grew by while it took chunk 0's compiled program is recorded
+    (`background_compile_rss_bytes`): the demo takes it off the peak of the step that took
+    it. A compile that keeps 64 MiB records at least that; a failed one records nothing."""
+    from sppo_fx.codegen.inductor import CodegenStats
+    monkeypatch.setattr(background, "WAIT_LIMIT_S", 0.01)
+    kept: list = []
+
+    def compiled_program():
+        kept.append(torch.ones(16 << 20))  # 64 MiB the program keeps, as Inductor's module would
+        return lambda *t: "compiled"
+    stats = CodegenStats()
+    prog = background.ExactProgram(lambda *t: "eager", lambda tensors: compiled_program, stats, "test", "cpu")
+    prog.job = compiled_program
+    assert prog.wait(0) and prog() == "compiled"
+    assert stats.background_compiles == 1 and stats.background_compile_rss_bytes >= 64 << 20
+
+    def failing():
+        raise RuntimeError("no compile")
+    stats = CodegenStats()
+    prog = background.ExactProgram(lambda *t: "eager", lambda tensors: failing, stats, "test", "cpu")
+    prog.job = failing
+    assert prog.wait(0) and prog() == "eager"
+    assert stats.background_failures == 1 and stats.background_compile_rss_bytes == 0
