@@ -39,7 +39,7 @@ def worker(args) -> None:
     import torch
     sys.path.insert(0, ROOT)
     import sppo_fx
-    from sppo_fx.util.rss import rss_bytes as _rss  # the engine's RSS reader
+    from sppo_fx.util.rss import rss_bytes  # as the benchmark's workers read RSS
     from sppo_fx.util.log import enable, record_phases, summarize
     from sppo_fx.models import build
     import_s = time.perf_counter() - t0  # nothing at this module's top imports torch
@@ -52,7 +52,7 @@ def worker(args) -> None:
     y = torch.randint(0, v, (1, args.seq_len), generator=gen)
     kind = args.config.rstrip(" 2")
     out = {"config": args.config, "import_s": import_s}
-    base = _rss("VmRSS")
+    base = rss_bytes("VmRSS", strict=True)
     with record_phases() as phases:
         t = time.perf_counter()
         if kind == "eager":
@@ -65,7 +65,7 @@ def worker(args) -> None:
             out["plan"] = str(compiled.plan).splitlines()[-1]
         first = time.perf_counter() - t
     out.update(first_s=first, phases=summarize(phases, first) if phases else [],
-               peak_extra=_rss("VmHWM") - base)
+               peak_extra=rss_bytes("VmHWM", strict=True) - base)
     print(json.dumps(out))
 
 

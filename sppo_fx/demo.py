@@ -173,7 +173,8 @@ def _summary(report: dict, plan) -> None:
     at = report.get("chunk_zero_compiled_at")
     kept = report.get("compile_kept_bytes", 0) if at is not None else 0
     # the step that took chunk 0's compiled program measures its code and the compiler's
-    # state on top of its tensors; the budget is the tensors'
+    # state on top of its tensors; the budget is the tensors'. Valid because the compile
+    # runs at chunk 0's forward, the step's first call, before its tensors peak
     peaks = [max(p - kept, 0) if k == at else p for k, p in enumerate(report["peaks"], start=1)]
     peak = max(peaks)
     steady = [s for k, s in enumerate(report["step_s"], start=1) if k != at]
@@ -188,11 +189,12 @@ def _summary(report: dict, plan) -> None:
           f"vs budget {budget / 2**20:.0f} MiB: {fits}; predicted {plan.peak_bytes / 2**20:.0f} MiB; "
           f"eager {eager_peak / 2**20:.0f} MiB ({peak / eager_peak:.0%} of eager)")
     others = [p for k, p in enumerate(report["peaks"], start=1) if k != at]
-    if at is not None and others:  # that step's RSS also holds what the compile left behind
-        taken = (f"; its RSS grew by {kept / 2**20:.0f} MiB while it took the compiled program, which "
-                 f"the process keeps" if kept else "")
-        print(f"  step {at}, which compiled chunk 0: {report['peaks'][at - 1] / 2**20:.0f} MiB{taken}; "
-              f"without step {at}: {max(others) / 2**20:.0f} MiB ({max(others) / eager_peak:.0%} of eager)")
+    if at is not None and (others or kept):  # that step's RSS also holds what the compile left behind
+        taken = (f"; its RSS grew by {kept / 2**20:.0f} MiB while it took the compiled program "
+                 f"(code and compiler state, held after garbage collection)" if kept else "")
+        without = (f"; without step {at}: {max(others) / 2**20:.0f} MiB ({max(others) / eager_peak:.0%} of eager)"
+                   if others else "")
+        print(f"  step {at}, which compiled chunk 0: {report['peaks'][at - 1] / 2**20:.0f} MiB{taken}{without}")
     between = report.get("eager_between_s") or []
     if between:  # eager's steps taken between the library's: neighbours in time
         eager_s = statistics.median(between)

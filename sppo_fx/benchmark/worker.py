@@ -203,13 +203,13 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            base = rss_bytes("VmRSS")
-            reset_high_water()
+            base = rss_bytes("VmRSS", strict=True)
+            reset_high_water(strict=True)
         t = time.perf_counter()
         loss = step()
         sync()
         times.append(time.perf_counter() - t)
-        peaks.append((torch.cuda.max_memory_allocated(device) if cuda else rss_bytes("VmHWM")) - base)
+        peaks.append((torch.cuda.max_memory_allocated(device) if cuda else rss_bytes("VmHWM", strict=True)) - base)
     out.update(step_s=statistics.median(times), step_times=times, peak_extra_bytes=max(max(peaks), 0),
                loss=float(loss))
     if compiled is not None:

@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from sppo_fx.util.log import get_logger
-from sppo_fx.util.rss import rss_bytes
+from sppo_fx.util.rss import give_back_free_heap, rss_bytes
 
 log = get_logger(__name__)
 
@@ -275,6 +275,7 @@ class ExactProgram:
                         self.name, exc_info=True)
             return
         self.stats.background_compiles += 1
+        give_back_free_heap()  # what RSS holds after it is the program's, not freed scratch
         self.stats.background_compile_rss_bytes += max(rss_bytes() - before, 0)
 
     def _compile_here_instead(self) -> None:

@@ -53,9 +53,11 @@ class CodegenStats:
             graphs op by op.
         exact_compiled_calls: calls of them that ran Inductor's code (compiled in the background).
         background_compile_rss_bytes: what this process's RSS grew by while it took chunk 0's
-            compiled program from Inductor's cache (Linux; 0 elsewhere): the program's code
-            and AOTAutograd's and Inductor's state for it, held from then on. On a CPU the
-            step that takes it measures that on top of its tensors (the demo tells them apart).
+            compiled program (from Inductor's cache, or compiled here where no child could),
+            read after Python's garbage and glibc's free heap were given back (Linux; 0
+            elsewhere): the program's code and AOTAutograd's and Inductor's state for it.
+            On a CPU the step that takes it measures that on top of its tensors (the demo
+            tells them apart).
     """
 
     compiles: int = 0

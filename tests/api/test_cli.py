@@ -35,8 +35,14 @@ def test_demo_summary_reports_medians_and_the_step_that_compiled_chunk_zero(caps
     out = capsys.readouterr().out
     assert ("measured peak extra memory 52 MiB (largest of steps 1-3, step 1 less chunk 0's compiled program) "
             "vs budget 60 MiB: within the budget;") in out
-    assert ("step 1, which compiled chunk 0: 70 MiB; its RSS grew by 30 MiB while it took the compiled program, "
-            "which the process keeps; without step 1: 52 MiB") in out
+    assert ("step 1, which compiled chunk 0: 70 MiB; its RSS grew by 30 MiB while it took the compiled program "
+            "(code and compiler state, held after garbage collection); without step 1: 52 MiB") in out
+    demo._summary(dict(report, compile_kept_bytes=10 << 20), plan)  # step 1 less it is still the largest
+    assert "measured peak extra memory 60 MiB (largest of steps 1-3, step 1 less" in capsys.readouterr().out
+    demo._summary(dict(report, peaks=[70 << 20], step_s=[9.0], compile_kept_bytes=80 << 20), plan)
+    out = capsys.readouterr().out  # one step, the one that compiled: its raw figure is still shown
+    assert "measured peak extra memory 0 MiB (largest of steps 1-1, step 1 less" in out
+    assert "step 1, which compiled chunk 0: 70 MiB; its RSS grew by 80 MiB" in out
     del report["chunk_zero_compiled_at"]
     demo._summary(dict(report, compile_kept_bytes=30 << 20), plan)  # no compile step: nothing taken off
     out = capsys.readouterr().out
