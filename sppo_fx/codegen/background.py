@@ -265,6 +265,7 @@ class ExactProgram:
         """Compile here (Inductor's cache holds what the child compiled); on failure chunk 0
         keeps its op-by-op graphs, which are exact."""
         job, self.job = self.job, None
+        give_back_free_heap()  # the growth below is then the compile's, not earlier garbage's
         before = rss_bytes()
         try:
             with torch.set_grad_enabled(self.grad):

@@ -203,7 +203,7 @@ def test_the_compile_here_records_what_it_kept_in_the_process(monkeypatch):
     prog = background.ExactProgram(lambda *t: "eager", lambda tensors: compiled_program, stats, "test", "cpu")
     prog.job = compiled_program
     assert prog.wait(0) and prog() == "compiled"
-    assert stats.background_compiles == 1 and stats.background_compile_rss_bytes >= 60 << 20  # slack: RSS
+    assert stats.background_compiles == 1 and stats.background_compile_rss_bytes >= 48 << 20  # slack: RSS
 
     def scratch_only():
         torch.ones(16 << 20).sum()  # 64 MiB of scratch, freed before the compile returns
