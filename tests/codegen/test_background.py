@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sppo_fx.codegen import background
+from sppo_fx.codegen.inductor import CodegenStats
 from sppo_fx.errors import SppoError
 
 
@@ -87,7 +88,7 @@ def test_auto_reads_this_machine(monkeypatch, cores, threads, mode):
 
 
 def _program(started: list, device="cpu"):
-    stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0})()
+    stats = CodegenStats()
     prog = background.ExactProgram(lambda *t: "eager", lambda tensors: (lambda: "compiled"), stats, "test", device)
     prog._start = lambda tensors: started.append(prog.calls)  # no fork: record the start
     return prog
@@ -133,8 +134,7 @@ def test_wait_compiles_at_the_second_call_and_runs_the_compiled_code_there(monke
     monkeypatch.delenv(background.ENV, raising=False)
     monkeypatch.setattr(forked, "a_core_is_free", lambda: False)
     monkeypatch.setattr(forked, "can_fork", lambda: False)  # no child: the compile runs here
-    stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0, "background_compiles": 0,
-                               "background_failures": 0, "background_compile_rss_bytes": 0})()
+    stats = CodegenStats()
     compiles: list = []
 
     def compile_(tensors):
@@ -150,8 +150,7 @@ def test_wait_compiles_here_when_the_child_runs_past_the_limit(monkeypatch):
     """Mode "wait" with a child that never finishes: after `WAIT_LIMIT_S` the child is left
     to end on its own and the call compiles in this process, then runs the compiled code."""
     monkeypatch.setattr(background, "WAIT_LIMIT_S", 0.01)
-    stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0, "background_compiles": 0,
-                               "background_failures": 0, "background_compile_rss_bytes": 0})()
+    stats = CodegenStats()
     detached: list = []
     prog = background.ExactProgram(lambda *t: "eager", lambda tensors: (lambda: (lambda *t: "compiled")),
                                    stats, "test", "cpu", wait=True)
@@ -170,8 +169,7 @@ def test_running_says_whether_a_child_compiles_and_takes_nothing():
     is true while a forked child compiles; with no child it is false and leaves a pending
     compile pending, where `wait(0)` compiles it here."""
     import subprocess
-    stats = type("Stats", (), {"exact_eager_calls": 0, "exact_compiled_calls": 0, "background_compiles": 0,
-                               "background_failures": 0, "background_compile_rss_bytes": 0})()
+    stats = CodegenStats()
     prog = background.ExactProgram(lambda *t: "eager", lambda tensors: (lambda: "compiled"), stats, "test", "cpu")
     prog.job = lambda: "compiled"
     assert not prog.running() and prog.job is not None and stats.background_compiles == 0
@@ -187,13 +185,13 @@ def test_running_says_whether_a_child_compiles_and_takes_nothing():
     assert prog.wait(0) and prog.job is None and stats.background_compiles == 1
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from Linux's /proc/self/status")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"),
+                    reason="needs Linux's /proc/self/status, which this system lacks")
 def test_the_compile_here_records_what_it_kept_in_the_process(monkeypatch):
     """What this process's RSS grew by while it took chunk 0's compiled program is recorded
     (`background_compile_rss_bytes`): the demo takes it off the peak of the step that took
     it. A compile that keeps 64 MiB records about that; one whose 64 MiB were scratch, freed
     before it returned, much less; a failed one nothing."""
-    from sppo_fx.codegen.inductor import CodegenStats
     kept: list = []
 
     def compiled_program():
@@ -203,7 +201,7 @@ def test_the_compile_here_records_what_it_kept_in_the_process(monkeypatch):
     prog = background.ExactProgram(lambda *t: "eager", lambda tensors: compiled_program, stats, "test", "cpu")
     prog.job = compiled_program
     assert prog.wait(0) and prog() == "compiled"
-    assert stats.background_compiles == 1 and stats.background_compile_rss_bytes >= 48 << 20  # slack: RSS
+    assert stats.background_compiles == 1 and stats.background_compile_rss_bytes >= 60 << 20  # slack: RSS
 
     def scratch_only():
         torch.ones(16 << 20).sum()  # 64 MiB of scratch, freed before the compile returns

@@ -7,7 +7,8 @@ import torch
 
 from sppo_fx.util.rss import give_back_free_heap, reset_high_water, rss_bytes
 
-linux = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc/self/status")
+linux = pytest.mark.skipif(not os.path.exists("/proc/self/status"),
+                           reason="needs Linux's /proc/self/status, which this system lacks")
 
 
 @linux
