@@ -162,18 +162,29 @@ def write_atomically(path: str, data: bytes) -> None:
         raise
 
 
+#: the sppo_fx package directory, whose sources `source_digest` covers (this file lies in
+#: its `util/`: the digest once covered `util/` alone, so a change to a pass kept old entries)
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_files(root: str | None = None) -> list[str]:
+    """Every `.py` file under `root` (the package), as paths relative to it, in a fixed order."""
+    root = root or PACKAGE_DIR
+    out = []
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames.sort()
+        out.extend(os.path.relpath(os.path.join(dirpath, name), root) for name in sorted(files) if name.endswith(".py"))
+    return out
+
+
 @functools.cache
 def source_digest() -> str:
     """sha256 of every sppo_fx source file (path and bytes): anything computed by sppo_fx's
     passes and kept across processes is keyed on it, so a change to any pass (or to anything
     a pass calls) never reads an entry the old code made."""
-    root = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256()
-    for dirpath, dirnames, files in os.walk(root):
-        dirnames.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(dirpath, name)
-            digest.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                digest.update(f.read())
+    for rel in source_files():
+        digest.update(rel.encode())
+        with open(os.path.join(PACKAGE_DIR, rel), "rb") as f:
+            digest.update(f.read())
     return digest.hexdigest()
