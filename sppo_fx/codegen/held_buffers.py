@@ -19,24 +19,58 @@ step in fresh pages (docs/solver-clock.md).
 """
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
+import torch.fx as fx
 
 HELD_ATTR = "_sppo_holds_inputs"
 
 
-def _storage_name(node) -> str | None:
-    """The name of the buffer whose memory `node` (an Inductor IR value: a buffer, a view of
-    one, or a box around either) lies in; None for a value without one."""
+def _buffer_of(node):
+    """The Inductor buffer `node` (a buffer, a view of one, or a box around either) lies in;
+    None for a value without one."""
     from torch._inductor import ir
-    seen = 0
-    while node is not None and seen < 64:
-        seen += 1
-        if isinstance(node, ir.Buffer):
-            return node.get_name()
+    for _ in range(64):
+        if node is None or isinstance(node, ir.Buffer):
+            return node
         node = getattr(node, "data", None)
     return None
+
+
+def _sharing_names(buf) -> list[str]:
+    """Names of other buffers whose memory `buf` occupies or aliases: the owner of a
+    `NonOwningLayout` (a tensor computed straight into a `cat`'s buffer) or of a mutation
+    layout, the inputs an op's output aliases, the buffers an op writes into."""
+    from torch._inductor import ir
+    names, layout = [], getattr(buf, "layout", None)
+    if isinstance(layout, ir.NonOwningLayout):
+        names.append(layout.view)
+    if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+        names.append(layout.target)
+    getter = getattr(buf, "get_defining_op", None)
+    for obj in (buf, getter() if getter else None):
+        for method in ("get_inputs_that_alias_output", "get_mutation_names"):
+            try:
+                names.extend(getattr(obj, method)())
+            except (AttributeError, NotImplementedError):
+                pass
+    return names
+
+
+def _held_names(node) -> set[str]:
+    """The names of every buffer whose memory the tensor `node` stands for lies in."""
+    from torch._inductor.virtualized import V
+    held, todo = set(), [node]
+    while todo:
+        item = todo.pop()
+        buf = _buffer_of(V.graph.try_get_buffer(item) if isinstance(item, str) else item)
+        if buf is None or buf.get_name() in held:
+            continue
+        held.add(buf.get_name())
+        todo.extend(_sharing_names(buf))
+    return held
 
 
 def _inductor_fallback(op: torch._ops.OpOverload):
@@ -72,11 +106,11 @@ def hold_inputs_of(*ops: torch._ops.OpOverload) -> None:
                 raise RuntimeError(f"sppo_fx: Inductor lowered {_op} without a fallback kernel; "
                                    "cannot keep its inputs' buffers from reuse")
             for inp in held:
-                name = _storage_name(inp)
-                if name is None:
+                names = _held_names(inp)
+                if not names:
                     raise RuntimeError(f"sppo_fx: an input of {_op} has no buffer Inductor could reuse "
                                        f"or hold ({type(inp).__name__})")
-                V.graph.never_reuse_buffers.add(name)
+                V.graph.never_reuse_buffers.update(names)
             return out
         setattr(lower, HELD_ATTR, True)
         L.lowerings[op] = lower
@@ -87,3 +121,75 @@ def hold_handed_out_tensors() -> None:
     import sppo_fx.ops.offload  # noqa: F401 - registers the ops
     import sppo_fx.ops.skeleton  # noqa: F401
     hold_inputs_of(torch.ops.sppo.offload.default, torch.ops.sppo.kv_out.default)
+
+
+def _reinplaceable(node: fx.Node) -> bool:
+    """Whether Inductor's `reinplace_inplaceable_ops` FX pass may turn `node` into an op that
+    writes into its input's memory: index_put, scatters (and the view scatters it
+    canonicalises into one), foreach ops, auto-functionalized custom ops."""
+    if node.op != "call_function":
+        return False
+    hop = torch.ops.higher_order
+    if node.target in (getattr(hop, "auto_functionalized", None), getattr(hop, "auto_functionalized_v2", None)):
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    name = node.target.name()
+    return "index_put" in name or "scatter" in name or name.startswith("aten::_foreach")
+
+
+def defer_past_inplace_users(graph: fx.Graph) -> int:
+    """Move each `sppo.offload`/`sppo.kv_out` call after the last later op that could be
+    reinplaced into its input's memory (`_reinplaceable`, on any view of the same storage).
+
+    Inductor's reinplacing pass, which runs on the FX graph before lowering and does not
+    see `never_reuse_buffers`, writes such an op's result into its input when nothing uses
+    that memory after it: with the offload call placed right after the value it saves, a
+    later scatter into the saved value would overwrite the tensor the runtime holds. A use
+    after the scatter stops it. Run as Inductor's post-grad custom pass (`DeferredHolds`),
+    after its reordering passes and before the reinplacing. Returns the calls moved."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    held_ops = (torch.ops.sppo.offload.default, torch.ops.sppo.kv_out.default)
+
+    def storage(node):
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    views = collections.defaultdict(list)
+    for n in nodes:
+        s = storage(n)
+        if s is not None:
+            views[s].append(n)
+    moved = 0
+    for n in nodes:
+        if n.op != "call_function" or n.target not in held_ops:
+            continue
+        s = storage(n.args[0])
+        later = [u for v in views.get(s, ()) for u in v.users if order[u] > order[n] and _reinplaceable(u)]
+        if later:
+            max(later, key=order.__getitem__).append(n)
+            moved += 1
+    if moved:
+        graph.lint()
+    return moved
+
+
+def deferred_holds(then=None):
+    """Inductor's `post_grad_custom_post_pass` that runs `defer_past_inplace_users`, then
+    `then` (a custom pass already configured, kept). Its `uuid` (for Inductor's cache key)
+    names this pass, sppo_fx's source digest and `then`'s."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from sppo_fx.util.disk_cache import source_digest
+
+    class DeferredHolds(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            defer_past_inplace_users(graph)
+            if then is not None:
+                then(graph)
+
+        def uuid(self):
+            inner = then.uuid() if hasattr(then, "uuid") else (None if then is None else repr(then))
+            return ("sppo_fx.defer_past_inplace_users", source_digest(), inner)
+    return DeferredHolds()

@@ -10,10 +10,11 @@ import re
 
 import pytest
 import torch
+import torch.fx as fx
 
 import sppo_fx.ops.offload  # noqa: F401 - registers sppo.offload
 import sppo_fx.ops.skeleton  # noqa: F401 - registers sppo.kv_out
-from sppo_fx.codegen.held_buffers import hold_handed_out_tensors
+from sppo_fx.codegen.held_buffers import defer_past_inplace_users
 from sppo_fx.ops.offload import active_memory
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -45,24 +46,89 @@ def program(a, w):
     return h, k, e
 
 
-def _compiled_code(fn, *args):
+def _library_backend(gm, example_inputs):
+    """Inductor through the library's inner compile of a forward graph with offload nodes."""
+    from torch._inductor.compile_fx import compile_fx
+    from sppo_fx.codegen.inductor import _forward_holding_handed_out
+    return compile_fx(gm, example_inputs, inner_compile=_forward_holding_handed_out)
+
+
+def _compiled_code(fn, *args, backend=_library_backend):
     from torch._inductor.utils import run_and_get_code
     keeper = Keeper()
     torch._dynamo.reset()
     with active_memory(keeper), torch._inductor.config.patch(fx_graph_cache=False):
-        _, (code,) = run_and_get_code(torch.compile(fn, backend="inductor", dynamic=False), *args)
+        _, (code,) = run_and_get_code(torch.compile(fn, backend=backend, dynamic=False), *args)
     return keeper, code
 
 
 def test_handed_out_buffers_are_never_reused_and_the_others_are():
-    hold_handed_out_tensors()
     torch.manual_seed(0)
     a, w = torch.randn(64, 64), torch.randn(64, 64)
     keeper, code = _compiled_code(program, a, w)
     for slot in (0, 1):
         assert torch.equal(keeper.kept[slot], keeper.copies[slot]), f"slot {slot} was overwritten"
-    held = set(re.findall(r"torch\.ops\.sppo\.(?:offload|kv_out)\.default\((\w+)", code))
-    reused = re.findall(r"(\w+) = (\w+); del \w+\s+# reuse", code)
+    held = set(re.findall(r"torch\.ops\.sppo\.(?:offload|kv_out)\.default\((?:reinterpret_tensor\()?(\w+)", code))
+    reused = re.findall(r"(\w+) = (?:reinterpret_tensor\()?(\w+)[^\n]*; del \w+\s+# reuse", code)
     assert len(held) == 2
     assert not [r for r in reused if r[1] in held], code
     assert reused, "Inductor reused no buffer at all: reuse is off, not targeted"
+
+
+def program_cat(a, w):
+    # b may be computed straight into the cat's buffer (Inductor's ConcatKernel), which
+    # kv_out, lowered after the cat, would see as b's view: the cat's buffer must be held
+    # (`_held_names` follows a NonOwningLayout to it). Inductor 2.13 gives kv_out a copy
+    # of b here instead, so this checks the outcome, not that path
+    b = (a * 2).sin()
+    c = (a * 3).cos()
+    both = torch.cat([b, c])
+    k = torch.ops.sppo.kv_out(b, 0)
+    d = both @ w
+    e = d @ w
+    f = e @ w
+    return k, f
+
+
+def test_a_tensor_computed_into_a_cat_holds_the_cats_buffer():
+    torch.manual_seed(0)
+    a, w = torch.randn(64, 64), torch.randn(64, 64)
+    keeper, code = _compiled_code(program_cat, a, w)
+    assert torch.equal(keeper.kept[0], keeper.copies[0]), code
+
+
+def program_scatter(a, w, idx, vals):
+    # Inductor's FX reinplacing writes index_put into b's memory where nothing uses b after
+    # it: the offload call must come after, not right after b
+    b = a @ w
+    h = torch.ops.sppo.offload(b, 0)
+    c = torch.index_put(b, (idx,), vals)
+    return h, c @ w
+
+
+def test_a_scatter_into_a_handed_out_tensor_does_not_overwrite_it():
+    torch.manual_seed(0)
+    a, w = torch.randn(64, 64), torch.randn(64, 64)
+    idx, vals = torch.tensor([1, 5, 9]), torch.randn(3, 64)
+    keeper, _ = _compiled_code(program_scatter, a, w, idx, vals)
+    assert torch.equal(keeper.kept[0], keeper.copies[0])
+    assert torch.equal(keeper.kept[0], a @ w)
+
+
+def test_the_offload_call_moves_past_a_later_scatter_of_a_view_only():
+    g = fx.Graph()
+    x, i, v = g.placeholder("x"), g.placeholder("i"), g.placeholder("v")
+    for node, val in ((x, torch.empty(8, 4)), (i, torch.zeros(2, dtype=torch.long)), (v, torch.empty(2, 4))):
+        node.meta["val"] = val
+    b = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    b.meta["val"] = torch.empty(8, 4)
+    view = g.call_function(torch.ops.aten.view.default, (b, [32]))
+    view.meta["val"] = b.meta["val"].view(32)
+    h = g.call_function(torch.ops.sppo.offload.default, (b, 0))
+    other = g.call_function(torch.ops.aten.index_put.default, (x, [i], v))  # another storage
+    put = g.call_function(torch.ops.aten.index_put.default, (b, [i], v))
+    g.output((h, put, view, other))
+    assert defer_past_inplace_users(g) == 1
+    order = list(g.nodes)
+    assert order.index(h) == order.index(put) + 1 and order.index(h) > order.index(other)
+    assert defer_past_inplace_users(g) == 0  # nothing after it now
