@@ -132,3 +132,22 @@ def test_the_offload_call_moves_past_a_later_scatter_of_a_view_only():
     order = list(g.nodes)
     assert order.index(h) == order.index(put) + 1 and order.index(h) > order.index(other)
     assert defer_past_inplace_users(g) == 0  # nothing after it now
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload,skeleton", [("device", "keep"), ("disk", "offload")])
+def test_hugging_face_llama_compiled_with_a_tier_is_exact(offload, skeleton):
+    """Kept slots (the "device" tier hands the tensor itself back to the backward) and the
+    disk tier with the K/V skeleton streamed, compiled by Inductor: without the holds, the
+    gradients differ (the embedding's first)."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (a Hugging Face Llama)")
+    from conftest import assert_matches_eager
+    import sppo_fx
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 100, (2, 64), generator=torch.Generator().manual_seed(0))
+    compiled = sppo_fx.compile(model, chunks=4, compile=True, offload=offload, skeleton=skeleton)
+    assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
+                         lambda: compiled(input_ids=ids, labels=ids))
