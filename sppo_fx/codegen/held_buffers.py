@@ -14,8 +14,8 @@ makes for a custom op) so that every buffer passed to one of them goes into the 
 `never_reuse_buffers`, which Inductor's wrapper and scheduler consult before any reuse or
 in-place update (`PythonWrapperCodegen.can_reuse`). The rest of the graph keeps Inductor's
 buffer reuse. Before this, the forward graphs of a plan with a tier compiled with reuse off
-altogether (`allow_buffer_reuse=False`), which cost the demo's plan about a tenth of its
-step in fresh pages (docs/solver-clock.md).
+altogether (`allow_buffer_reuse=False`): the demo's plan ran 5% slower a step, the bench
+model's faulted in 5% more pages (docs/solver-clock.md).
 """
 from __future__ import annotations
 

@@ -163,7 +163,8 @@ def _forward_holding_handed_out(gm, example_inputs, **kwargs):
     reinplacing could write into their input); the rest of the graph keeps Inductor's buffer
     reuse, as the backward graph does (its ops keep nothing they are given). On a CPU
     every fresh buffer costs page faults: with reuse off in the whole forward graph, as
-    before, the demo's 4 chunks with a tier ran 0.86 s a step against 0.71 s with it on.
+    before, the demo's plan ran 0.945 s a step against 0.901 s (the two interleaved in one
+    process, docs/solver-clock.md).
     """
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
