@@ -20,7 +20,7 @@ from tabulate import tabulate
 
 import sppo_fx
 from sppo_fx.util.log import enable, record_phases, summarize
-from sppo_fx.util.rss import reset_high_water, rss_bytes
+from sppo_fx.util.rss import rss_bytes, start_peak
 from sppo_fx.models import build
 
 
@@ -50,8 +50,7 @@ def measured_step(step) -> tuple[float, int]:
     """(seconds, peak extra bytes) of `step()`: the process's peak RSS during the step (VmHWM,
     reset first) minus its RSS before it, as bench/memory.py measures on a CPU. Accurate
     when glibc returns freed blocks to the OS (scripts/demo.sh sets MALLOC_MMAP_THRESHOLD_)."""
-    base = rss_bytes("VmRSS")
-    reset_high_water()
+    base = start_peak()
     t0 = time.perf_counter()
     step()
     seconds = time.perf_counter() - t0

@@ -38,7 +38,7 @@ from sppo_fx.benchmark.config import BenchConfig, min_headroom
 from sppo_fx.benchmark.copy_overlap import COPY_OVERLAP_ENV, profile_step
 from sppo_fx.errors import InfeasibleBudget
 from sppo_fx.util.log import record_phases, summarize
-from sppo_fx.util.rss import reset_high_water, rss_bytes
+from sppo_fx.util.rss import rss_bytes, start_peak
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -203,8 +203,7 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            base = rss_bytes("VmRSS", strict=True)
-            reset_high_water(strict=True)
+            base = start_peak(strict=True)
         t = time.perf_counter()
         loss = step()
         sync()

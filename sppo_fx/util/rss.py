@@ -46,3 +46,14 @@ def give_back_free_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def start_peak(strict: bool = False) -> int:
+    """Begin measuring a step's peak extra memory: the heap's free pages given back (a step
+    that reused them while resident would add nothing to RSS for them: 2.5-5 MiB a step in
+    the demo's plan), VmHWM reset; returns the RSS the peak is counted over. The peak is
+    then `rss_bytes("VmHWM") - start_peak()`."""
+    give_back_free_heap()
+    base = rss_bytes("VmRSS", strict)
+    reset_high_water(strict)
+    return base

@@ -5,20 +5,24 @@ import os
 import pytest
 import torch
 
-from sppo_fx.util.rss import give_back_free_heap, reset_high_water, rss_bytes
+from sppo_fx.util.rss import give_back_free_heap, reset_high_water, rss_bytes, start_peak
 
 linux = pytest.mark.skipif(not os.path.exists("/proc/self/status"),
                            reason="needs Linux's /proc/self/status, which this system lacks")
 
 
+def _resident_free_run() -> torch.Tensor:
+    """A free, resident run of about 125 MiB in the heap: 16 KiB blocks (under glibc's mmap
+    threshold), freed but the last, so that the run is not the heap's top, which free()
+    trims. glibc serves a 64 MiB request from such a run before it maps fresh pages, and
+    RSS then does not grow (CI at c28bbed met one in a worker that had run other tests)."""
+    blocks = [torch.ones(4 << 10) for _ in range(8000)]
+    return blocks[-1]
+
+
 @linux
 def test_rss_follows_a_tensor_that_is_kept():
-    # glibc serves 64 MiB from a free run of the heap before it maps fresh pages. In a worker
-    # that ran other tests such a run can be resident, and the tensor then adds no RSS (CI at
-    # c28bbed). Made here on purpose: 16 KiB blocks (under the mmap threshold), the last kept
-    # so that the run is not the heap's top, which free() trims.
-    blocks = [torch.ones(4 << 10) for _ in range(8000)]
-    del blocks[:-1]
+    last_block = _resident_free_run()
     give_back_free_heap()  # as codegen/background.py does before it reads what is kept
     before = rss_bytes()
     kept = torch.ones(16 << 20)  # 64 MiB, touched
@@ -27,6 +31,17 @@ def test_rss_follows_a_tensor_that_is_kept():
     give_back_free_heap()
     reset_high_water(strict=True)
     assert rss_bytes("VmHWM") - rss_bytes() < 16 << 20
+
+
+@linux
+def test_a_step_peak_counts_memory_it_reused_from_the_free_heap():
+    """The demo's and the benchmark's workers' peak: 64 MiB of small blocks that a step holds
+    at once count, though the heap had them free and resident before the step."""
+    last_block = _resident_free_run()
+    base = start_peak()
+    held = [torch.ones(4 << 10) for _ in range(4000)]  # 64 MiB in 16 KiB blocks
+    del held
+    assert rss_bytes("VmHWM") - base >= 60 << 20
 
 
 def test_a_missing_field_is_zero_or_an_error_when_strict():
