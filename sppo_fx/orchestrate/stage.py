@@ -22,6 +22,7 @@ from sppo_fx.options import CompileOptions
 from sppo_fx.passes import transform
 from sppo_fx.passes.masks.values import check_ones_inputs, check_seq_limit
 from sppo_fx.passes.offload import RECOMPUTE_POLICIES
+from sppo_fx.passes.skeleton import refuse_unstreamable, unstreamable_attention
 from sppo_fx.passes.seq_chunk import ChunkedProgram
 from sppo_fx.plan import Plan, even_plan
 from sppo_fx.runtime.product import StageProduct
@@ -119,7 +120,8 @@ def device_profile(entry: Entry, options: CompileOptions, profile=None):
         profile = stored_or_calibrated(entry.device(), dir=options.offload_dir)
         if options.offload and not options.compile:
             profile = with_pass_ops(profile, entry.device(), options.offload_dir)
-    if options.offload and options.skeleton in ("auto", "offload") and entry.cost is not None:
+    if options.offload and options.skeleton in ("auto", "offload") and entry.cost is not None \
+            and unstreamable_attention(entry.program.chunk) is None:
         profile = with_model_reads(profile, entry.cost)
     return profile
 
@@ -146,8 +148,12 @@ def plan_call(entry: Entry, options: CompileOptions, seq_len: int, tensors: list
         # the solver and chunk 0's trace (codegen/inductor.py)
         from sppo_fx.codegen.inductor import start_cpu_probe
         start_cpu_probe()
-    # the skeleton can only leave the device for a tier
-    skeletons = ("keep", "offload") if o.skeleton == "auto" and o.offload else (o.skeleton,)
+    # the skeleton can only leave the device for a tier, and only where its attention streams
+    if o.skeleton == "offload":
+        refuse_unstreamable(entry.program.chunk)
+    skeletons = (o.skeleton,)
+    if o.skeleton == "auto" and o.offload:
+        skeletons = ("keep", "offload") if unstreamable_attention(entry.program.chunk) is None else ("keep",)
     with phase(f"solving the budget for {seq_len} tokens", log):
         plan, _memory = solve_budget(entry.cost, models, seq_len, o.budget, profile=profile, device=device,
                                      offload=o.offload, skeletons=skeletons, compiled=o.compile,

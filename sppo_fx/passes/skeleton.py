@@ -14,7 +14,9 @@ executor's `runtime.skeleton.KVSkeleton` and the attention op streams it in one 
 chunk at a time (`sppo_fx.ops.skeleton`). The K/V skeleton can then leave the device.
 A sliding-window site keeps its `window=W` and a packed-document site its `doc_pos`: the op
 streams only the blocks that reach into the chunk's window or its documents
-(`sppo_fx.ops.skeleton_window`).
+(`sppo_fx.ops.skeleton_window`). Score variants (logit soft-capping, sink logits, ALiBi)
+are not streamed: `unstreamable_attention` names them, the solver then keeps the skeleton
+(`skeleton="auto"`), and `skeleton="offload"` is refused before any step.
 """
 from __future__ import annotations
 
@@ -24,6 +26,32 @@ import torch.fx as fx
 from sppo_fx.chunk_attention.functions import prefix_causal_attention
 from sppo_fx.errors import SppoError
 from sppo_fx.ops.skeleton import streamed_prefix_attention
+
+
+# attention arguments the streamed op (`ops.skeleton.streamed_prefix_attention`) computes
+_STREAMED_KWARGS = ("scale", "enable_gqa", "window", "doc_pos")
+_VARIANTS = {"softcap": "logit soft-capping (e.g. Gemma 2's attn_logit_softcapping)",
+             "sinks": "attention sink logits (e.g. gpt-oss)", "alibi": "ALiBi biases (e.g. Bloom, MPT)"}
+
+
+def unstreamable_attention(chunk: fx.GraphModule) -> str | None:
+    """Why the K/V skeleton of this chunk program cannot be streamed, or None when it can:
+    the first attention site whose call has an argument the streamed op does not compute."""
+    for s, node in enumerate(n for n in chunk.graph.nodes
+                             if n.op == "call_function" and n.target is prefix_causal_attention):
+        for key, value in node.kwargs.items():
+            if value is not None and key not in _STREAMED_KWARGS:
+                what = _VARIANTS.get(key, f"the argument {key}=")
+                return f"attention site {s} ({node.name}) uses {what}, which the streamed K/V skeleton does not compute"
+    return None
+
+
+def refuse_unstreamable(chunk: fx.GraphModule) -> None:
+    """An SppoError naming what to change where `skeleton="offload"` cannot stream `chunk`."""
+    why = unstreamable_attention(chunk)
+    if why is not None:
+        raise SppoError(f"skeleton='offload': {why}; use skeleton='keep' (or 'auto', which keeps it for "
+                        "this model)")
 
 
 def stream_kv_skeleton(chunk: fx.GraphModule, num_sites: int) -> fx.GraphModule:
@@ -40,6 +68,7 @@ def stream_kv_skeleton(chunk: fx.GraphModule, num_sites: int) -> fx.GraphModule:
     graph.output(graph.graph_copy(chunk.graph, {}))
     gm = fx.GraphModule(chunk, graph, class_name=type(chunk).__name__)
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    refuse_unstreamable(chunk)
     sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is prefix_causal_attention]
     if len(sites) != num_sites:
         raise SppoError(f"stream_kv_skeleton: the chunk program has {len(sites)} prefix attention calls, "

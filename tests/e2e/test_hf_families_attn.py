@@ -66,3 +66,36 @@ def test_gemma2_softcapping_with_sliding_window_layers_matches_eager():
                                                  layer_types=["sliding_attention", "full_attention"]))
     compiled = _check(model, _ids(), "gemma2 sliding+full")
     assert sorted(str(s.window) for s in compiled.program.attention) == ["16", "None"]
+
+
+def _gemma2():
+    torch.manual_seed(0)
+    return tf.Gemma2ForCausalLM(tf.Gemma2Config(**GEMMA2, sliding_window=128, layer_types=["full_attention"] * 2))
+
+
+def test_gemma2_softcapping_refuses_a_streamed_skeleton_before_any_step(tmp_path):
+    """The streamed K/V skeleton computes no soft-capping: skeleton="offload" is an SppoError
+    naming what to change (it was a TypeError from inside the skeleton pass), raised before
+    any step: no gradient, no file in the offload dir."""
+    model, ids = _gemma2(), _ids()
+    compiled = sppo_fx.compile(model, chunks=CHUNKS, offload="disk", offload_dir=str(tmp_path),
+                               skeleton="offload", compile=False)
+    with pytest.raises(SppoError, match=r"soft-capping.*skeleton='keep'"):
+        compiled(input_ids=ids, labels=ids)
+    assert all(p.grad is None for p in model.parameters()) and not list(tmp_path.iterdir())
+
+
+def test_gemma2_softcapping_under_a_tight_budget_keeps_the_skeleton(tmp_path):
+    """skeleton="auto" under a budget: the solver keeps the skeleton of a model whose
+    attention soft-caps (it chose the streamed skeleton at the smallest budgets, which then
+    failed on the first call), and the step is exact."""
+    model, ids = _gemma2(), _ids()
+    with pytest.raises(sppo_fx.InfeasibleBudget, match=r"K/V skeleton: keep\b") as err:
+        sppo_fx.compile(model, budget=1, offload="disk", offload_dir=str(tmp_path), compile=False)(
+            input_ids=ids, labels=ids)
+    assert "offload" not in str(err.value).split("K/V skeleton:")[1].splitlines()[0]
+    compiled = sppo_fx.compile(model, budget=err.value.minimum_bytes, offload="disk", offload_dir=str(tmp_path),
+                               compile=False)
+    assert_matches_eager(model, lambda m: m(input_ids=ids, labels=ids).loss,
+                         lambda: compiled(input_ids=ids, labels=ids))
+    assert compiled.plan.skeleton == "keep" and compiled.plan.num_chunks > 1

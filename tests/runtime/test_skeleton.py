@@ -17,7 +17,7 @@ from sppo_fx.chunk_attention.functions import chunk_causal_attention, prefix_cau
 from sppo_fx.models import build
 from sppo_fx.ops.skeleton import prefix_attention, streamed_prefix_attention
 from sppo_fx.ops.offload import active_memory
-from sppo_fx.passes.skeleton import stream_kv_skeleton
+from sppo_fx.passes.skeleton import stream_kv_skeleton, unstreamable_attention
 from sppo_fx.runtime.local import chunked_loss
 from sppo_fx.runtime.memory import ChunkMemory
 from sppo_fx.runtime.skeleton import KVSkeleton
@@ -56,6 +56,26 @@ def test_pass_refuses_a_site_count_that_disagrees():
     _, _, program = tiny_program("gpt")
     with pytest.raises(SppoError, match="attention sites"):
         stream_kv_skeleton(program.chunk, len(program.attention) + 1)
+
+
+def _one_site_program(**kwargs) -> torch.fx.GraphModule:
+    """A hand-built chunk program of one attention site called with `kwargs`."""
+    g = torch.fx.Graph()
+    q, kp, k, vp, v = (g.placeholder(n) for n in ("q", "s_k_prefix", "k", "s_v_prefix", "v"))
+    out = g.call_function(prefix_causal_attention, (q, kp, k, vp, v), kwargs)
+    g.output((g.call_function(torch.relu, (out,)), k, v))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("variant,named", [("softcap", "soft-capping"), ("alibi", "ALiBi"), ("sinks", "sink")])
+def test_pass_refuses_score_variants_the_streamed_op_does_not_compute(variant, named):
+    streamable = _one_site_program(scale=0.5, window=16, doc_pos=None)
+    assert unstreamable_attention(streamable) is None
+    assert stream_kv_skeleton(streamable, 1) is not None
+    program = _one_site_program(scale=0.5, **{variant: 5.0})
+    assert named in unstreamable_attention(program)
+    with pytest.raises(SppoError, match=rf"{named}.*skeleton='keep'"):
+        stream_kv_skeleton(program, 1)
 
 
 # ---- the op ----------------------------------------------------------------------------
