@@ -39,7 +39,7 @@ def worker(args) -> None:
     import torch
     sys.path.insert(0, ROOT)
     import sppo_fx
-    from sppo_fx.util.rss import rss_bytes  # as the benchmark's workers read RSS
+    from sppo_fx.util.rss import rss_bytes  # the benchmark's workers' reader (a fresh process: no free heap to give back)
     from sppo_fx.util.log import enable, record_phases, summarize
     from sppo_fx.models import build
     import_s = time.perf_counter() - t0  # nothing at this module's top imports torch

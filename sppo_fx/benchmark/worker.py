@@ -197,13 +197,12 @@ def run_config(cfg: BenchConfig, grads_out: str | None) -> dict:
     times, peaks = [], []
     for _ in range(cfg.steps):
         model.zero_grad(set_to_none=True)
+        base = None if cuda else start_peak(strict=True)  # before the barrier: ranks start the step together
         barrier()
         sync()
         if cuda:
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        else:
-            base = start_peak(strict=True)
         t = time.perf_counter()
         loss = step()
         sync()

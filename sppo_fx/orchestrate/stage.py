@@ -133,6 +133,8 @@ def plan_call(entry: Entry, options: CompileOptions, seq_len: int, tensors: list
     DeviceProfile the solver used, or `profile`)."""
     check_seq_limit(entry.graph, seq_len)  # masks proven only up to a length (positions in a narrow dtype)
     check_ones_inputs(entry.graph, tensors)  # inputs the program assumes all ones (passes/ones_inputs.py)
+    if options.skeleton == "offload":  # before the memory model's traces and a calibration
+        refuse_unstreamable(entry.program.chunk)
     if options.budget is None:
         return chunk_plan(options, seq_len, entry.cost), profile
     cached = entry.budget_plans.get(seq_len)
@@ -149,8 +151,6 @@ def plan_call(entry: Entry, options: CompileOptions, seq_len: int, tensors: list
         from sppo_fx.codegen.inductor import start_cpu_probe
         start_cpu_probe()
     # the skeleton can only leave the device for a tier, and only where its attention streams
-    if o.skeleton == "offload":
-        refuse_unstreamable(entry.program.chunk)
     skeletons = (o.skeleton,)
     if o.skeleton == "auto" and o.offload:
         skeletons = ("keep", "offload") if unstreamable_attention(entry.program.chunk) is None else ("keep",)

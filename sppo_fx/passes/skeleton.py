@@ -47,11 +47,12 @@ def unstreamable_attention(chunk: fx.GraphModule) -> str | None:
 
 
 def refuse_unstreamable(chunk: fx.GraphModule) -> None:
-    """An SppoError naming what to change where `skeleton="offload"` cannot stream `chunk`."""
+    """An SppoError naming what to change where the K/V skeleton of `chunk` would be
+    streamed (`skeleton="offload"`, or a saved plan's skeleton) but cannot be."""
     why = unstreamable_attention(chunk)
     if why is not None:
-        raise SppoError(f"skeleton='offload': {why}; use skeleton='keep' (or 'auto', which keeps it for "
-                        "this model)")
+        raise SppoError(f"the K/V skeleton cannot be streamed: {why}; use skeleton='keep' (or 'auto', which "
+                        "keeps it for this model), and a saved plan (plan=) solved with the skeleton kept")
 
 
 def stream_kv_skeleton(chunk: fx.GraphModule, num_sites: int) -> fx.GraphModule:
@@ -64,11 +65,11 @@ def stream_kv_skeleton(chunk: fx.GraphModule, num_sites: int) -> fx.GraphModule:
     Returns:
         The new GraphModule (the input is unchanged).
     """
+    refuse_unstreamable(chunk)
     graph = fx.Graph()
     graph.output(graph.graph_copy(chunk.graph, {}))
     gm = fx.GraphModule(chunk, graph, class_name=type(chunk).__name__)
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    refuse_unstreamable(chunk)
     sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is prefix_causal_attention]
     if len(sites) != num_sites:
         raise SppoError(f"stream_kv_skeleton: the chunk program has {len(sites)} prefix attention calls, "

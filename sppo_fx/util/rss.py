@@ -51,8 +51,8 @@ def give_back_free_heap() -> None:
 def start_peak(strict: bool = False) -> int:
     """Begin measuring a step's peak extra memory: the heap's free pages given back (a step
     that reused them while resident would add nothing to RSS for them: 2.5-5 MiB a step in
-    the demo's plan), VmHWM reset; returns the RSS the peak is counted over. The peak is
-    then `rss_bytes("VmHWM") - start_peak()`."""
+    the demo's plan), VmHWM reset; returns the RSS the peak is counted over: the step's
+    peak is `rss_bytes("VmHWM")` after it minus this value."""
     give_back_free_heap()
     base = rss_bytes("VmRSS", strict)
     reset_high_water(strict)

@@ -73,13 +73,18 @@ def _gemma2():
     return tf.Gemma2ForCausalLM(tf.Gemma2Config(**GEMMA2, sliding_window=128, layer_types=["full_attention"] * 2))
 
 
-def test_gemma2_softcapping_refuses_a_streamed_skeleton_before_any_step(tmp_path):
-    """The streamed K/V skeleton computes no soft-capping: skeleton="offload" is an SppoError
-    naming what to change (it was a TypeError from inside the skeleton pass), raised before
-    any step: no gradient, no file in the offload dir."""
+@pytest.mark.parametrize("how", ["option", "budget", "saved plan"])
+def test_gemma2_softcapping_refuses_a_streamed_skeleton_before_any_step(tmp_path, how):
+    """The streamed K/V skeleton computes no soft-capping: skeleton="offload" (alone, with a
+    budget, or a saved plan's) is an SppoError naming what to change (the streamed op raised
+    a TypeError on `softcap=` at the first call), raised before any step: no gradient, no
+    file in the offload dir."""
     model, ids = _gemma2(), _ids()
-    compiled = sppo_fx.compile(model, chunks=CHUNKS, offload="disk", offload_dir=str(tmp_path),
-                               skeleton="offload", compile=False)
+    options = {"option": dict(chunks=CHUNKS, skeleton="offload"),
+               "budget": dict(budget="64MiB", skeleton="offload"),
+               "saved plan": dict(plan=sppo_fx.Plan(T, [T // 2, T // 2], offload_ratios=[1.0, 0.0], tier="disk",
+                                                    skeleton="offload"))}[how]
+    compiled = sppo_fx.compile(model, offload="disk", offload_dir=str(tmp_path), compile=False, **options)
     with pytest.raises(SppoError, match=r"soft-capping.*skeleton='keep'"):
         compiled(input_ids=ids, labels=ids)
     assert all(p.grad is None for p in model.parameters()) and not list(tmp_path.iterdir())
@@ -90,7 +95,7 @@ def test_gemma2_softcapping_under_a_tight_budget_keeps_the_skeleton(tmp_path):
     attention soft-caps (it chose the streamed skeleton at the smallest budgets, which then
     failed on the first call), and the step is exact."""
     model, ids = _gemma2(), _ids()
-    with pytest.raises(sppo_fx.InfeasibleBudget, match=r"K/V skeleton: keep\b") as err:
+    with pytest.raises(sppo_fx.InfeasibleBudget, match=r"K/V skeleton: keep\)") as err:
         sppo_fx.compile(model, budget=1, offload="disk", offload_dir=str(tmp_path), compile=False)(
             input_ids=ids, labels=ids)
     assert "offload" not in str(err.value).split("K/V skeleton:")[1].splitlines()[0]

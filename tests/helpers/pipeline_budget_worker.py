@@ -4,16 +4,15 @@ without a per-rank budget (the same chunking), measuring this rank's peak extra 
     python tests/helpers/pipeline_budget_worker.py OUT --budget BYTES [model flags]   (writes OUT.rank<r>)
 
 The first step of each captures, solves and builds everything; then, for each measured
-step, the parameter gradients are freed, the process's RSS high-water mark is reset
-(/proc/self/clear_refs) and the peak extra memory is VmHWM after the step minus VmRSS
-before it (as sppo_fx/benchmark/worker.py measures a CPU row; run it with
+step, the parameter gradients are freed, the heap's free pages given back, the process's RSS
+high-water mark reset (`sppo_fx.util.rss.start_peak`) and the peak extra memory is VmHWM after
+the step minus VmRSS before it (as sppo_fx/benchmark/worker.py measures a CPU row; run it with
 MALLOC_MMAP_THRESHOLD_ set, so that freed memory leaves the process). Writes one JSON object
 per rank (OUT.rank<r>) and the gradients of each run's last step (OUT.rank<r>.grads.pt).
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -23,14 +22,7 @@ import torch
 import sppo_fx
 from sppo_fx.models import build
 from sppo_fx.runtime.distributed import init_from_env
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+from sppo_fx.util.rss import rss_bytes, start_peak
 
 
 def main(argv=None) -> int:
@@ -69,12 +61,9 @@ def main(argv=None) -> int:
     for _ in range(args.steps):
         for name, c in compiled.items():
             model.zero_grad(set_to_none=True)
-            gc.collect()
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM := the current RSS
-            base = _rss("VmRSS")
+            base = start_peak(strict=True)  # free heap pages given back, VmHWM := the current RSS
             losses[name].append(c.step(x, y).item())
-            peaks[name].append(_rss("VmHWM") - base)
+            peaks[name].append(rss_bytes("VmHWM", strict=True) - base)
             grads[name] = {n: prm.grad.clone() for n, prm in model.named_parameters() if prm.grad is not None}
     result = {"rank": rank, "seconds": time.perf_counter() - started}
     for name, c in compiled.items():

@@ -38,7 +38,7 @@ def test_a_step_peak_counts_memory_it_reused_from_the_free_heap():
     """The demo's and the benchmark's workers' peak: 64 MiB of small blocks that a step holds
     at once count, though the heap had them free and resident before the step."""
     last_block = _resident_free_run()
-    base = start_peak()
+    base = start_peak(strict=True)
     held = [torch.ones(4 << 10) for _ in range(4000)]  # 64 MiB in 16 KiB blocks
     del held
     assert rss_bytes("VmHWM") - base >= 60 << 20
