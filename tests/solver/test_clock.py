@@ -281,10 +281,21 @@ def test_a_model_is_charged_the_block_read_of_its_own_attention_shape():
     small, large = (with_model_reads(cpu, cost).skeleton_read_seconds for cost in (narrow, wide))
     assert 0 < small < large and small != 4e-5
     assert with_model_reads(get_profile("h100"), wide) == get_profile("h100")  # no read figure: unchanged
-    entry = types.SimpleNamespace(cost=wide, device=lambda: "cpu")
+
+    def program(**attention_kwargs):  # a chunk program of one attention site
+        import torch
+        import torch.fx as fx
+        from sppo_fx.chunk_attention.functions import prefix_causal_attention
+        g = fx.Graph()
+        g.output(g.call_function(prefix_causal_attention, tuple(g.placeholder(f"x{i}") for i in range(5)),
+                                 attention_kwargs))
+        return types.SimpleNamespace(chunk=fx.GraphModule(torch.nn.Module(), g))
+    entry = types.SimpleNamespace(cost=wide, device=lambda: "cpu", program=program(window=16))
     streams = compile_options(budget="1GiB", offload="disk")
     assert device_profile(entry, streams, cpu).skeleton_read_seconds == large
     assert device_profile(entry, compile_options(budget="1GiB", offload="disk", skeleton="keep"), cpu) is cpu
+    soft_capped = types.SimpleNamespace(cost=wide, device=lambda: "cpu", program=program(softcap=5.0))
+    assert device_profile(soft_capped, streams, cpu) is cpu  # its skeleton is never streamed: no read to price
 
 
 def test_weights_beyond_the_cache_are_read_by_every_chunk():
