@@ -76,6 +76,26 @@ def tiny_hf_llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
+def held_and_reused(code: str) -> tuple[set, list]:
+    """In Inductor's generated wrapper `code`: the buffers handed to `sppo.offload`/`sppo.kv_out`
+    (directly or through `reinterpret_tensor`), and the buffers it reuses for a new one."""
+    import re
+    held = set(re.findall(r"torch\.ops\.sppo\.(?:offload|kv_out)\.default\((?:reinterpret_tensor\()?(\w+)", code))
+    reused = [old for _, old in re.findall(r"(\w+) = (?:reinterpret_tensor\()?(\w+)[^\n]*; del \w+\s+# reuse", code)]
+    return held, reused
+
+
+def one_site_chunk_program(**attention_kwargs) -> fx.GraphModule:
+    """A hand-built chunk program of one attention site, `prefix_causal_attention(q, kp, k,
+    vp, v, **attention_kwargs)`, returning (relu(out), k, v)."""
+    from sppo_fx.chunk_attention.functions import prefix_causal_attention
+    g = fx.Graph()
+    q, kp, k, vp, v = (g.placeholder(n) for n in ("q", "s_k_prefix", "k", "s_v_prefix", "v"))
+    out = g.call_function(prefix_causal_attention, (q, kp, k, vp, v), attention_kwargs)
+    g.output((g.call_function(torch.relu, (out,)), k, v))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
 def tiny_program(kind):
     """(model, Captured, ChunkedProgram) of the tiny `kind` model widened so that its saved
     activations pass the offload threshold; built once per session and shared between

@@ -6,7 +6,6 @@ backward, an offloaded one until its copy is written): if Inductor wrote a later
 output into its memory, the backward would read other data, silently on the host and
 device tiers.
 """
-import re
 
 import pytest
 import torch
@@ -16,6 +15,8 @@ import sppo_fx.ops.offload  # noqa: F401 - registers sppo.offload
 import sppo_fx.ops.skeleton  # noqa: F401 - registers sppo.kv_out
 from sppo_fx.codegen.held_buffers import defer_past_inplace_users
 from sppo_fx.ops.offload import active_memory
+
+from conftest import held_and_reused
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -68,33 +69,10 @@ def test_handed_out_buffers_are_never_reused_and_the_others_are():
     keeper, code = _compiled_code(program, a, w)
     for slot in (0, 1):
         assert torch.equal(keeper.kept[slot], keeper.copies[slot]), f"slot {slot} was overwritten"
-    held = set(re.findall(r"torch\.ops\.sppo\.(?:offload|kv_out)\.default\((?:reinterpret_tensor\()?(\w+)", code))
-    reused = re.findall(r"(\w+) = (?:reinterpret_tensor\()?(\w+)[^\n]*; del \w+\s+# reuse", code)
+    held, reused = held_and_reused(code)
     assert len(held) == 2
-    assert not [r for r in reused if r[1] in held], code
+    assert not [r for r in reused if r in held], code
     assert reused, "Inductor reused no buffer at all: reuse is off, not targeted"
-
-
-def program_cat(a, w):
-    # b may be computed straight into the cat's buffer (Inductor's ConcatKernel), which
-    # kv_out, lowered after the cat, would see as b's view: the cat's buffer must be held
-    # (`_held_names` follows a NonOwningLayout to it). Inductor 2.13 gives kv_out a copy
-    # of b here instead, so this checks the outcome, not that path
-    b = (a * 2).sin()
-    c = (a * 3).cos()
-    both = torch.cat([b, c])
-    k = torch.ops.sppo.kv_out(b, 0)
-    d = both @ w
-    e = d @ w
-    f = e @ w
-    return k, f
-
-
-def test_a_tensor_computed_into_a_cat_holds_the_cats_buffer():
-    torch.manual_seed(0)
-    a, w = torch.randn(64, 64), torch.randn(64, 64)
-    keeper, code = _compiled_code(program_cat, a, w)
-    assert torch.equal(keeper.kept[0], keeper.copies[0]), code
 
 
 def program_scatter(a, w, idx, vals):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import operator
 import os
-import re
 from unittest import mock
 
 import pytest
@@ -26,6 +25,8 @@ from sppo_fx.runtime.store import ActivationStore
 from sppo_fx.solver.budget import solve
 from sppo_fx.solver.memory_model import MemoryModel
 from sppo_fx.solver.partition import ChunkCostModel
+
+from conftest import held_and_reused
 
 
 def _targets(gm: fx.GraphModule) -> list[str]:
@@ -213,8 +214,7 @@ def test_offload_nodes_survive_inductor(tmp_path):
     # forward (codegen/held_buffers.py), while the forward's other buffers and the
     # backward's are; the backward adds weight gradients in GEMMs
     for c in forward:
-        held = set(re.findall(r"torch\.ops\.sppo\.(?:offload|kv_out)\.default\((?:reinterpret_tensor\()?(\w+)", c))
-        reused = [old for _, old in re.findall(r"(\w+) = (?:reinterpret_tensor\()?(\w+)[^\n]*; del \w+\s+# reuse", c)]
+        held, reused = held_and_reused(c)
         assert held and not held & set(reused)
     assert any("# reuse" in c for c in forward)
     assert any("# reuse" in c for c in backward)

@@ -9,7 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SHARES_OFFLOAD_PROGRAMS, RecordedOps, offload_program, tiny_model, tiny_program
+from conftest import (SHARES_OFFLOAD_PROGRAMS, RecordedOps, offload_program, one_site_chunk_program, tiny_model,
+                      tiny_program)
 
 import sppo_fx
 from sppo_fx import InfeasibleBudget, Plan, SppoError
@@ -58,21 +59,12 @@ def test_pass_refuses_a_site_count_that_disagrees():
         stream_kv_skeleton(program.chunk, len(program.attention) + 1)
 
 
-def _one_site_program(**kwargs) -> torch.fx.GraphModule:
-    """A hand-built chunk program of one attention site called with `kwargs`."""
-    g = torch.fx.Graph()
-    q, kp, k, vp, v = (g.placeholder(n) for n in ("q", "s_k_prefix", "k", "s_v_prefix", "v"))
-    out = g.call_function(prefix_causal_attention, (q, kp, k, vp, v), kwargs)
-    g.output((g.call_function(torch.relu, (out,)), k, v))
-    return torch.fx.GraphModule(torch.nn.Module(), g)
-
-
 @pytest.mark.parametrize("variant,named", [("softcap", "soft-capping"), ("alibi", "ALiBi"), ("sinks", "sink")])
 def test_pass_refuses_score_variants_the_streamed_op_does_not_compute(variant, named):
-    streamable = _one_site_program(scale=0.5, window=16, doc_pos=None)
+    streamable = one_site_chunk_program(scale=0.5, window=16, doc_pos=None)
     assert unstreamable_attention(streamable) is None
     assert stream_kv_skeleton(streamable, 1) is not None
-    program = _one_site_program(scale=0.5, **{variant: 5.0})
+    program = one_site_chunk_program(scale=0.5, **{variant: 5.0})
     assert named in unstreamable_attention(program)
     with pytest.raises(SppoError, match=rf"{named}.*skeleton='keep'"):
         stream_kv_skeleton(program, 1)

@@ -281,15 +281,10 @@ def test_a_model_is_charged_the_block_read_of_its_own_attention_shape():
     small, large = (with_model_reads(cpu, cost).skeleton_read_seconds for cost in (narrow, wide))
     assert 0 < small < large and small != 4e-5
     assert with_model_reads(get_profile("h100"), wide) == get_profile("h100")  # no read figure: unchanged
+    from conftest import one_site_chunk_program
 
-    def program(**attention_kwargs):  # a chunk program of one attention site
-        import torch
-        import torch.fx as fx
-        from sppo_fx.chunk_attention.functions import prefix_causal_attention
-        g = fx.Graph()
-        g.output(g.call_function(prefix_causal_attention, tuple(g.placeholder(f"x{i}") for i in range(5)),
-                                 attention_kwargs))
-        return types.SimpleNamespace(chunk=fx.GraphModule(torch.nn.Module(), g))
+    def program(**attention_kwargs):
+        return types.SimpleNamespace(chunk=one_site_chunk_program(**attention_kwargs))
     entry = types.SimpleNamespace(cost=wide, device=lambda: "cpu", program=program(window=16))
     streams = compile_options(budget="1GiB", offload="disk")
     assert device_profile(entry, streams, cpu).skeleton_read_seconds == large
